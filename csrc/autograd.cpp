@@ -1,0 +1,448 @@
+// The Autograd-key kernel of every torch_autobatch operator, and the grad node
+// it attaches.
+//
+// NOTE [Why our own Autograd kernel]
+// torch.library.custom_op wraps the user's backward in an autograd.Function
+// whose forward takes ctx; torch.func refuses that ("must override the
+// setup_context staticmethod") and forward-mode AD silently sees zeros. A C++
+// kernel at the Autograd alias key that (1) redispatches below
+// ADInplaceOrView, so the user's Python forward runs once and is never
+// recorded, and (2) attaches a plain autograd Node, is what every functorch
+// Grad level expects: functorch re-enables the Autograd keys per level and our
+// kernel runs once per level, on that level's TensorWrappers.
+#include "autobatch.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <sstream>
+
+namespace torch_autobatch {
+
+void PyRef::reset() {
+  if (obj_ == nullptr) {
+    return;
+  }
+  // At interpreter shutdown the object is leaked rather than touched.
+  if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+    py::gil_scoped_acquire gil;
+    Py_DECREF(obj_);
+  }
+  obj_ = nullptr;
+}
+
+void rethrow_python_error(py::error_already_set& e) {
+  // Hand the exception over as torch's python_error: torch's bindings and the
+  // autograd engine re-raise it in Python unchanged (type, message, traceback)
+  // on whatever thread the op or the backward was called from.
+  e.restore();
+  ::python_error err;
+  err.persist();
+  throw err;
+}
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// Where the tensors of one schema argument (or return) sit among the node's
+// edges (or inputs). `count` is 0 for a non-tensor or a None `Tensor?`.
+struct Slot {
+  size_t first = 0;
+  size_t count = 0;
+  bool is_list = false;
+};
+
+// Flattens the tensors of `values` in order, recording each value's slot.
+std::vector<Slot> flatten_tensors(
+    c10::ArrayRef<c10::IValue> values,
+    std::vector<at::Tensor>& tensors) {
+  std::vector<Slot> slots;
+  slots.reserve(values.size());
+  for (const auto& v : values) {
+    Slot slot{tensors.size(), 0, false};
+    if (v.isTensor()) {
+      tensors.push_back(v.toTensor());
+      slot.count = 1;
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        tensors.push_back(t);
+      }
+      slot.count = tensors.size() - slot.first;
+      slot.is_list = true;
+    }
+    slots.push_back(slot);
+  }
+  return slots;
+}
+
+bool aliases(const at::Tensor& a, const at::Tensor& b) {
+  // BatchedTensors and some wrappers have no storage: nothing to compare.
+  return a.defined() && b.defined() && a.has_storage() && b.has_storage() &&
+      a.is_alias_of(b);
+}
+
+class CustomOpNode final : public Node {
+ public:
+  CustomOpNode(
+      std::shared_ptr<OpState> state,
+      std::vector<Slot> arg_slots,
+      std::vector<Slot> ret_slots,
+      const std::vector<at::Tensor>& inputs)
+      : Node(torch::autograd::collect_next_edges(inputs)),
+        state_(std::move(state)),
+        arg_slots_(std::move(arg_slots)),
+        ret_slots_(std::move(ret_slots)) {
+    input_meta_.reserve(inputs.size());
+    for (const auto& t : inputs) {
+      input_meta_.emplace_back(t);
+    }
+  }
+
+  std::string name() const override {
+    return state_->node_name;
+  }
+
+  // Gives each output its grad edge into this node. Non-differentiable
+  // (integer, bool) outputs get none, and their gradient is None in backward.
+  void set_history(const std::vector<at::Tensor>& outputs) {
+    differentiable_.reserve(outputs.size());
+    for (const auto& out : outputs) {
+      const bool diff = out.defined() &&
+          torch::autograd::isDifferentiableType(out.scalar_type());
+      if (diff) {
+        torch::autograd::set_history(out, getptr());
+      } else {
+        add_input_metadata(Node::undefined_input());
+      }
+      differentiable_.push_back(diff);
+    }
+  }
+
+  // Takes what the user's setup_context passed to ctx.save_for_backward.
+  // Requires the GIL.
+  void save(py::object ctx, const std::vector<at::Tensor>& outputs) {
+    py::object to_save = ctx.attr("_to_save");
+    if (!to_save.is_none()) {
+      for (py::handle item : to_save) {
+        if (item.is_none()) {
+          saved_.emplace_back();
+          continue;
+        }
+        const at::Tensor& t = THPVariable_Unpack(item.ptr());
+        const bool is_output = std::any_of(
+            outputs.begin(), outputs.end(), [&](const at::Tensor& out) {
+              return out.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+            });
+        saved_.emplace_back(t, is_output);
+      }
+      ctx.attr("_to_save") = py::none();
+    }
+    ctx_ = PyRef(std::move(ctx));
+  }
+
+  variable_list apply(variable_list&& grads) override;
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    released_ = true;
+    saved_.clear();
+    ctx_.reset();
+  }
+
+ private:
+  py::tuple wrap_grads(variable_list& grads) const;
+  variable_list unwrap_input_grads(py::handle result) const;
+  at::Tensor check_input_grad(py::handle grad, size_t edge, size_t arg) const;
+  [[noreturn]] void fail_backward(const std::string& what) const;
+
+  std::shared_ptr<OpState> state_;
+  std::vector<Slot> arg_slots_; // schema arguments -> next edges
+  std::vector<Slot> ret_slots_; // schema returns -> node inputs
+  std::vector<torch::autograd::TypeAndSize> input_meta_; // per next edge
+  std::vector<bool> differentiable_; // per node input
+  std::vector<SavedVariable> saved_;
+  PyRef ctx_;
+  bool released_ = false;
+};
+
+variable_list CustomOpNode::apply(variable_list&& grads) {
+  std::vector<at::Tensor> saved;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!released_, torch::autograd::ERR_BACKWARD_TWICE);
+    saved.reserve(saved_.size());
+    for (const auto& sv : saved_) {
+      saved.push_back(sv.unpack(getptr()));
+    }
+  }
+  // Like autograd.Function: an unused differentiable output gets zeros.
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined() && differentiable_[i]) {
+      grads[i] = input_metadata(i).zeros_like();
+    }
+  }
+  py::gil_scoped_acquire gil;
+  try {
+    py::tuple py_saved(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
+    }
+    py::object result = state_->opdef.get().attr("_run_backward")(
+        ctx_.get(), py_saved, wrap_grads(grads));
+    return unwrap_input_grads(result);
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+}
+
+py::tuple CustomOpNode::wrap_grads(variable_list& grads) const {
+  auto wrap = [](const at::Tensor& t) {
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  };
+  py::tuple out(ret_slots_.size());
+  for (size_t r = 0; r < ret_slots_.size(); ++r) {
+    const Slot& s = ret_slots_[r];
+    if (s.is_list) {
+      py::list l(s.count);
+      for (size_t k = 0; k < s.count; ++k) {
+        l[k] = wrap(grads[s.first + k]);
+      }
+      out[r] = l;
+    } else {
+      out[r] = s.count == 1 ? wrap(grads[s.first]) : py::none();
+    }
+  }
+  return out;
+}
+
+void CustomOpNode::fail_backward(const std::string& what) const {
+  std::string fn = py::str(state_->opdef.get().attr("_backward_fn_name"));
+  TORCH_CHECK(
+      false,
+      "torch_autobatch: the backward of ",
+      state_->qualname,
+      " (",
+      fn,
+      ") ",
+      what);
+}
+
+variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
+  const auto& arg_names = state_->arg_names;
+  auto res = py::reinterpret_borrow<py::tuple>(result);
+  if (res.size() != arg_slots_.size()) {
+    std::ostringstream names;
+    for (size_t a = 0; a < arg_names.size(); ++a) {
+      names << (a ? ", " : "") << arg_names[a];
+    }
+    fail_backward(
+        "returned " + std::to_string(res.size()) + " gradient(s), but the op has " +
+        std::to_string(arg_slots_.size()) + " input(s) (" + names.str() +
+        "). Return one gradient per input, None for non-tensor inputs and for "
+        "inputs that need no gradient.");
+  }
+  variable_list out(input_meta_.size());
+  for (size_t a = 0; a < arg_slots_.size(); ++a) {
+    const Slot& s = arg_slots_[a];
+    py::handle g = res[a];
+    if (g.is_none()) {
+      continue;
+    }
+    if (s.count == 0 && !s.is_list) {
+      fail_backward(
+          "returned a " + std::string(py::str(py::type::of(g).attr("__name__"))) +
+          " for input '" + arg_names[a] +
+          "', which is not a Tensor (or was None). Return None for it.");
+    }
+    if (!s.is_list) {
+      out[s.first] = check_input_grad(g, s.first, a);
+      continue;
+    }
+    if (!py::isinstance<py::sequence>(g) || py::len(g) != s.count) {
+      fail_backward(
+          "returned " + std::string(py::str(py::repr(g))) + " for input '" +
+          arg_names[a] + "', a list of " + std::to_string(s.count) +
+          " tensors. Return a list of " + std::to_string(s.count) +
+          " gradients (Tensor or None), or None.");
+    }
+    auto seq = py::reinterpret_borrow<py::sequence>(g);
+    for (size_t k = 0; k < s.count; ++k) {
+      if (!seq[k].is_none()) {
+        out[s.first + k] = check_input_grad(seq[k], s.first + k, a);
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t arg)
+    const {
+  const std::string& arg_name = state_->arg_names[arg];
+  if (!THPVariable_Check(grad.ptr())) {
+    fail_backward(
+        "returned a " + std::string(py::str(py::type::of(grad).attr("__name__"))) +
+        " as the gradient of input '" + arg_name + "'; expected a Tensor or None.");
+  }
+  const at::Tensor& g = THPVariable_Unpack(grad.ptr());
+  const auto& meta = input_meta_[edge];
+  if (!g.sym_sizes().equals(meta.sym_sizes)) {
+    std::ostringstream msg;
+    msg << "returned a gradient of shape " << g.sym_sizes() << " for input '"
+        << arg_name << "', which has shape " << c10::SymIntArrayRef(meta.sym_sizes)
+        << ". Return a gradient of the input's shape (reduce a broadcast one "
+           "with grad.sum_to_size(input.shape)).";
+    fail_backward(msg.str());
+  }
+  const auto dtype = c10::typeMetaToScalarType(meta.options.dtype());
+  if (g.scalar_type() != dtype) {
+    std::ostringstream msg;
+    msg << "returned a gradient of dtype " << g.scalar_type() << " for input '"
+        << arg_name << "', which has dtype " << dtype
+        << ". Cast it with .to(input.dtype).";
+    fail_backward(msg.str());
+  }
+  // An input that does not require grad has no edge: drop its gradient.
+  return next_edge(edge).is_valid() ? g : at::Tensor();
+}
+
+[[noreturn]] void fail_forward_mode(const OpState& state) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false,
+      "torch_autobatch: forward-mode AD (torch.func.jvp, jacfwd, hessian's "
+      "jacfwd, torch.autograd.forward_ad dual tensors) through ",
+      state.qualname,
+      " is not supported yet. It raises rather than return zero tangents, "
+      "which would be silently wrong. Use reverse mode (torch.func.grad, vjp, "
+      "jacrev) for this op.");
+}
+
+class AutogradKernel final : public c10::OperatorKernel {
+ public:
+  explicit AutogradKernel(std::shared_ptr<OpState> state)
+      : state_(std::move(state)) {}
+
+  void operator()(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet ks,
+      torch::jit::Stack* stack) {
+    const auto& schema = op.schema();
+    const size_t num_args = schema.arguments().size();
+    const size_t num_returns = schema.returns().size();
+    const auto args = torch::jit::last(*stack, num_args);
+
+    std::vector<at::Tensor> inputs;
+    auto arg_slots = flatten_tensors(args, inputs);
+    bool any_requires_grad = false;
+    for (const auto& t : inputs) {
+      if (torch::autograd::isFwGradDefined(t)) {
+        fail_forward_mode(*state_);
+      }
+      any_requires_grad |= t.defined() && t.requires_grad();
+    }
+    const bool needs_node =
+        any_requires_grad && c10::GradMode::is_enabled();
+    std::vector<c10::IValue> saved_args;
+    if (needs_node) {
+      saved_args.assign(args.begin(), args.end());
+    }
+
+    {
+      // The user's forward runs once, below autograd: never recorded.
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+    }
+
+    std::vector<at::Tensor> outputs;
+    auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
+    check_no_aliasing(schema, inputs, outputs);
+    if (!needs_node) {
+      return;
+    }
+
+    auto node = c10::make_intrusive<CustomOpNode>(
+        state_, std::move(arg_slots), std::move(ret_slots), inputs);
+    node->set_history(outputs);
+
+    py::gil_scoped_acquire gil;
+    try {
+      py::tuple py_args(num_args);
+      py::tuple needs_input_grad(num_args);
+      for (size_t a = 0; a < num_args; ++a) {
+        py_args[a] = torch::jit::toPyObject(saved_args[a]);
+        bool needs = false;
+        if (saved_args[a].isTensor()) {
+          needs = saved_args[a].toTensor().requires_grad();
+        } else if (saved_args[a].isTensorList()) {
+          for (const at::Tensor& t : saved_args[a].toTensorList()) {
+            needs |= t.requires_grad();
+          }
+        }
+        needs_input_grad[a] = py::bool_(needs);
+      }
+      py::object py_output;
+      if (num_returns == 1) {
+        py_output = torch::jit::toPyObject(stack->back());
+      } else {
+        py::tuple outs(num_returns);
+        for (size_t r = 0; r < num_returns; ++r) {
+          outs[r] = torch::jit::toPyObject((*stack)[stack->size() - num_returns + r]);
+        }
+        py_output = outs;
+      }
+      py::object ctx = state_->opdef.get().attr("_setup_autograd")(
+          py_args, py_output, needs_input_grad);
+      node->save(std::move(ctx), outputs);
+    } catch (py::error_already_set& e) {
+      rethrow_python_error(e);
+    }
+  }
+
+ private:
+  void check_no_aliasing(
+      const c10::FunctionSchema& schema,
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs) const {
+    for (size_t o = 0; o < outputs.size(); ++o) {
+      for (const auto& in : inputs) {
+        TORCH_CHECK(
+            !aliases(outputs[o], in),
+            "torch_autobatch: ",
+            state_->qualname,
+            " returned an output (tensor ",
+            o,
+            ") that aliases one of its inputs, which its schema `",
+            schema,
+            "` does not declare. Operators made by torch_autobatch.custom_op "
+            "must return new tensors: return `x.clone()` instead of `x` or a "
+            "view of it.");
+      }
+    }
+  }
+
+  std::shared_ptr<OpState> state_;
+};
+
+} // namespace
+
+void register_autograd_kernel(
+    torch::Library& lib,
+    const std::shared_ptr<OpState>& state) {
+  const auto name = state->qualname.substr(state->qualname.find("::") + 2);
+  lib.impl(
+      name.c_str(),
+      torch::dispatch(
+          c10::DispatchKey::Autograd,
+          torch::CppFunction::makeFromBoxedFunctor(
+              std::make_unique<AutogradKernel>(state))));
+}
+
+} // namespace torch_autobatch

@@ -1,0 +1,67 @@
+// torch_autobatch._C: registers our C++ kernels for an operator that
+// torch_autobatch.custom_op has defined. Python stays the thin, typed layer;
+// this module holds no Python-visible state but the registrations.
+#include "autobatch.h"
+
+namespace torch_autobatch {
+namespace {
+
+// Keeps an operator's C++ kernels registered while it lives; dropping it
+// deregisters them (grad nodes already made keep their OpState).
+struct Registration {
+  std::shared_ptr<OpState> state;
+  std::unique_ptr<torch::Library> lib;
+};
+
+std::unique_ptr<Registration> register_op(
+    const std::string& qualname,
+    py::object opdef) {
+  const auto sep = qualname.find("::");
+  TORCH_CHECK(
+      sep != std::string::npos,
+      "torch_autobatch: expected a qualified name 'namespace::name', got '",
+      qualname,
+      "'");
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
+  auto state = std::make_shared<OpState>();
+  state->qualname = qualname;
+  state->node_name = "GeneratedBackwardFor_" + qualname.substr(0, sep) + "_" +
+      qualname.substr(sep + 2);
+  for (const auto& arg : op.schema().arguments()) {
+    state->arg_names.push_back(arg.name());
+  }
+  state->opdef = PyRef(std::move(opdef));
+
+  auto reg = std::make_unique<Registration>();
+  reg->state = state;
+  reg->lib = std::make_unique<torch::Library>(
+      torch::Library::IMPL, qualname.substr(0, sep), std::nullopt, __FILE__, __LINE__);
+  register_autograd_kernel(*reg->lib, state);
+  return reg;
+}
+
+} // namespace
+} // namespace torch_autobatch
+
+PYBIND11_MODULE(_C, m) {
+  namespace tab = torch_autobatch;
+  namespace py = pybind11;
+  m.doc() = "C++ kernels of torch_autobatch (internal; use torch_autobatch.custom_op)";
+  py::class_<tab::Registration>(m, "_Registration")
+      .def_property_readonly(
+          "qualname", [](const tab::Registration& r) { return r.state->qualname; });
+  m.def(
+      "_register_op",
+      [](const std::string& qualname, py::object opdef) {
+        try {
+          return tab::register_op(qualname, std::move(opdef));
+        } catch (const c10::Error& e) {
+          throw std::runtime_error(e.what_without_backtrace());
+        }
+      },
+      py::arg("qualname"),
+      py::arg("opdef"),
+      "Registers torch_autobatch's C++ kernels (Autograd) for the operator "
+      "`qualname`, calling back into `opdef`. Returns a handle that keeps them "
+      "registered.");
+}

@@ -1,0 +1,27 @@
+"""torch_autobatch: Python custom operators that work under every torch.func transform.
+
+Public API:
+
+- :func:`custom_op` — a drop-in for :func:`torch.library.custom_op`;
+- :class:`CustomOpDef` — the operator it returns (``register_autograd``,
+  ``register_fake``, ``register_kernel``);
+- :class:`BackwardContext` — the ``ctx`` of ``setup_context`` and ``backward``.
+"""
+
+import torch  # noqa: F401  (loads libtorch before our extension)
+
+try:
+    from . import _C  # noqa: F401  (its import registers nothing by itself)
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "torch_autobatch's C++ extension (torch_autobatch._C) failed to load: "
+        f"{e}. Build it against the installed torch with "
+        "`pip install --no-build-isolation -e .` from the project root "
+        "(torch==2.13.0 must be installed first)."
+    ) from e
+
+from ._autograd import BackwardContext
+from ._custom_op import CustomOpDef, custom_op
+
+__all__ = ["BackwardContext", "CustomOpDef", "custom_op"]
+__version__ = "0.1.0"

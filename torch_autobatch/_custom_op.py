@@ -1,0 +1,254 @@
+"""``torch_autobatch.custom_op``: a Python function as a real dispatcher operator.
+
+Dispatch keys of an operator made here (see NOTE [Why our own Autograd kernel]
+in csrc/autograd.cpp):
+
+- backend (``CompositeExplicitAutograd``, or the device keys of
+  ``device_types`` / ``register_kernel``): the user's Python function;
+- ``Meta`` / fake: ``register_fake``'s function, or by default the user's
+  function itself run on fake tensors;
+- ``Autograd``: our C++ kernel, which runs the backend once below autograd and
+  attaches a grad node calling the registered backward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, overload
+
+import torch
+from torch._library.infer_schema import infer_schema
+
+from . import _C
+from ._autograd import BackwardContext, run_backward
+
+F = TypeVar("F", bound=Callable[..., Any])
+DeviceTypes = Optional[Union[str, Sequence[str]]]
+
+
+def _device_keys(device_types: DeviceTypes) -> list[str]:
+    if device_types is None:
+        return ["CompositeExplicitAutograd"]
+    if isinstance(device_types, str):
+        device_types = [device_types]
+    return [torch._C._dispatch_key_for_device(d) for d in device_types]
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class CustomOpDef:
+    """An operator made by :func:`custom_op`; call it like the function it wraps.
+
+    It is the same operator as ``torch.ops.<namespace>.<name>``: calling either
+    goes through the dispatcher, so every torch.func transform, ``torch.compile``
+    and ``torch.library.opcheck`` see one operator, never its decomposition.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        name: str,
+        schema: str,
+        fn: Callable[..., Any],
+        device_types: DeviceTypes,
+    ) -> None:
+        self._namespace = namespace
+        self._name = name
+        self._qualname = f"{namespace}::{name}"
+        self._init_fn = fn
+        self._fake_fn: Optional[Callable[..., Any]] = None
+        self._backward_fn: Optional[Callable[..., Any]] = None
+        self._setup_context_fn: Optional[Callable[..., Any]] = None
+        self._schema = schema
+
+        self._lib = torch.library.Library(namespace, "FRAGMENT")
+        self._lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        self._opoverload: torch._ops.OpOverload = getattr(
+            getattr(torch.ops, namespace), name
+        ).default
+        for key in _device_keys(device_types):
+            self._lib.impl(name, fn, key)
+        self._lib._register_fake(name, self._fake_impl, _stacklevel=1)
+        self._registration = _C._register_op(self._qualname, self)
+        self.__name__ = name
+        self.__qualname__ = name
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+        self.__signature__ = inspect.signature(fn)
+
+    # ----------------------------------------------------------------- calling
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._opoverload(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<torch_autobatch.CustomOpDef({self._qualname}{self._schema})>"
+
+    @property
+    def opoverload(self) -> torch._ops.OpOverload:
+        """``torch.ops.<namespace>.<name>.default``."""
+        return self._opoverload
+
+    # ------------------------------------------------------------- registration
+    @overload
+    def register_autograd(
+        self, backward: F, /, *, setup_context: Optional[Callable[..., Any]] = None
+    ) -> F: ...
+
+    @overload
+    def register_autograd(
+        self, backward: None = None, /, *, setup_context: Optional[Callable[..., Any]] = None
+    ) -> Callable[[F], F]: ...
+
+    def register_autograd(self, backward=None, /, *, setup_context=None):
+        """Registers the op's derivative for reverse mode, as :func:`torch.library.register_autograd`.
+
+        ``setup_context(ctx, inputs, output)`` runs after the forward: ``inputs``
+        is the tuple of all the op's arguments (schema order), ``output`` its
+        return value. ``backward(ctx, *grads)`` gets one gradient per output
+        (zeros for unused floating outputs, None for integer ones) and returns
+        one gradient per input: a Tensor of the input's shape and dtype, or
+        None (always None for non-tensor inputs). It is honoured by
+        ``.backward()``, ``torch.autograd.grad`` and every torch.func reverse
+        transform (``grad``, ``vjp``, ``jacrev``, ``hessian``), at any nesting.
+
+        Returns ``backward``, so it can be used as a decorator.
+        """
+        if backward is None:
+            return lambda fn: self.register_autograd(fn, setup_context=setup_context)
+        if not callable(backward):
+            raise TypeError(
+                f"{self._qualname}.register_autograd: expected backward to be callable, "
+                f"got {type(backward).__name__}."
+            )
+        if setup_context is not None and not callable(setup_context):
+            raise TypeError(
+                f"{self._qualname}.register_autograd: expected setup_context to be "
+                f"callable or None, got {type(setup_context).__name__}."
+            )
+        self._backward_fn = backward
+        self._setup_context_fn = setup_context
+        return backward
+
+    def register_fake(self, fn: F, /) -> F:
+        """Registers the fake (meta) implementation used by ``torch.compile`` and fake tensors.
+
+        Optional: without it the op's own function runs on fake tensors.
+        Returns ``fn``, so it can be used as a decorator.
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}."
+            )
+        self._fake_fn = fn
+        return fn
+
+    def register_kernel(
+        self, device_types: Union[str, Sequence[str]], fn: Optional[F] = None, /
+    ) -> Any:
+        """Registers ``fn`` as the op's implementation for ``device_types`` ("cpu", "cuda", ...).
+
+        It overrides the op's own function there. Returns ``fn`` (or a decorator
+        when ``fn`` is omitted).
+        """
+        if fn is None:
+            return lambda f: self.register_kernel(device_types, f)
+        for key in _device_keys(device_types):
+            self._lib.impl(self._name, fn, key, allow_override=True)
+        return fn
+
+    # ------------------------------------- called by the C++ kernels (internal)
+    def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
+        return (self._fake_fn or self._init_fn)(*args, **kwargs)
+
+    def _setup_autograd(
+        self, inputs: tuple[Any, ...], output: Any, needs_input_grad: tuple[bool, ...]
+    ) -> BackwardContext:
+        ctx = BackwardContext(needs_input_grad)
+        if self._setup_context_fn is not None:
+            self._setup_context_fn(ctx, inputs, output)
+        return ctx
+
+    def _run_backward(
+        self, ctx: BackwardContext, saved: tuple[Any, ...], grads: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        if self._backward_fn is None:
+            raise RuntimeError(
+                f"torch_autobatch: {self._qualname} has no backward. Register one with "
+                f"{self._name}.register_autograd(backward, setup_context=setup_context) "
+                f"to differentiate through it."
+            )
+        return run_backward(self._backward_fn, ctx, saved, grads)
+
+    @property
+    def _backward_fn_name(self) -> str:
+        return _fn_name(self._backward_fn)
+
+
+def _check_functional(qualname: str, mutates_args: Any, schema: str) -> None:
+    if mutates_args != () and mutates_args != []:
+        raise NotImplementedError(
+            f"torch_autobatch.custom_op({qualname!r}): mutates_args={mutates_args!r} "
+            f"is not supported yet; only functional operators are. Return new "
+            f"tensors instead of mutating inputs, and pass mutates_args=()."
+        )
+    parsed = torch._C.parse_schema(qualname + schema)
+    if parsed.is_mutable or any(
+        a.alias_info is not None for a in list(parsed.arguments) + list(parsed.returns)
+    ):
+        raise NotImplementedError(
+            f"torch_autobatch.custom_op({qualname!r}): the schema {schema!r} declares "
+            f"mutation or aliasing, which is not supported yet; remove the "
+            f"annotations (Tensor(a!), Tensor(a)) and return new tensors."
+        )
+
+
+def custom_op(
+    name: str,
+    fn: Optional[Callable[..., Any]] = None,
+    /,
+    *,
+    mutates_args: Union[str, Iterable[str]],
+    device_types: DeviceTypes = None,
+    schema: Optional[str] = None,
+) -> Any:
+    """Makes a Python function built from torch ops into a dispatcher operator.
+
+    A drop-in for :func:`torch.library.custom_op` whose operator works under
+    every torch.func transform with the derivatives you register::
+
+        >>> @torch_autobatch.custom_op("mylib::softclip", mutates_args=())
+        ... def softclip(x: torch.Tensor, scale: float) -> torch.Tensor:
+        ...     return scale * torch.tanh(x / scale)
+        >>> def setup_context(ctx, inputs, output):
+        ...     ctx.save_for_backward(inputs[0])
+        ...     ctx.scale = inputs[1]
+        >>> def backward(ctx, grad):
+        ...     (x,) = ctx.saved_tensors
+        ...     return grad * (1 - torch.tanh(x / ctx.scale) ** 2), None
+        >>> softclip.register_autograd(backward, setup_context=setup_context)
+        >>> torch.func.grad(lambda x: softclip(x, 2.0).sum())(torch.randn(3))
+
+    Args:
+        name: ``"namespace::name"``; the op is then ``torch.ops.namespace.name``.
+        fn: the implementation; omit it to use ``custom_op`` as a decorator.
+        mutates_args: must be ``()`` (mutating ops are not supported yet).
+        device_types: device types ``fn`` implements (default: all).
+        schema: the schema string (default: inferred from ``fn``'s type hints).
+    """
+
+    def inner(f: Callable[..., Any]) -> CustomOpDef:
+        if "::" not in name:
+            raise ValueError(
+                f"torch_autobatch.custom_op: expected name of the form "
+                f"'namespace::name' (e.g. 'mylib::softclip'), got {name!r}."
+            )
+        namespace, opname = name.split("::", 1)
+        op_schema = schema if schema is not None else infer_schema(
+            f, mutates_args=mutates_args
+        )
+        _check_functional(name, mutates_args, op_schema)
+        return CustomOpDef(namespace, opname, op_schema, f, device_types)
+
+    return inner if fn is None else inner(fn)
