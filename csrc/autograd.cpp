@@ -41,6 +41,7 @@ void rethrow_python_error(py::error_already_set& e) {
   // Hand the exception over as torch's python_error: torch's bindings and the
   // autograd engine re-raise it in Python unchanged (type, message, traceback)
   // on whatever thread the op or the backward was called from.
+  py::gil_scoped_acquire gil;
   e.restore();
   ::python_error err;
   err.persist();

@@ -72,6 +72,9 @@ void unwrap_wrapper_level(std::vector<at::Tensor>& ts, int64_t level) {
 }
 
 bool looks_like_batching_failure(const std::string& msg) {
+  if (msg.find("randomness") != std::string::npos) {
+    return false; // vmap(..., randomness="error"): functorch's message is clear
+  }
   for (const char* needle :
        {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage"}) {
     if (msg.find(needle) != std::string::npos) {
@@ -142,24 +145,37 @@ class BatchedKernel final : public c10::OperatorKernel {
       torch::jit::Stack* stack) const {
     try {
       op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
+    } catch (py::error_already_set& e) {
+      // A Python kernel's exception arrives as pybind11's; make it torch's.
+      try {
+        rethrow_python_error(e);
+      } catch (python_error& err) {
+        handle_composite_error(err);
+      }
     } catch (python_error& e) {
-      e.persist();
-      bool is_runtime_error = false;
-      {
-        py::gil_scoped_acquire gil;
-        is_runtime_error = e.type != nullptr &&
-            PyErr_GivenExceptionMatches(e.type, PyExc_RuntimeError);
-      }
-      if (!is_runtime_error || !looks_like_batching_failure(e.what())) {
-        throw; // the user's own exception: unchanged
-      }
-      fail_unbatchable(e.what());
+      handle_composite_error(e);
     } catch (const c10::Error& e) {
       if (!looks_like_batching_failure(e.what_without_backtrace())) {
         throw;
       }
       fail_unbatchable(e.what_without_backtrace());
     }
+  }
+
+  // Turns functorch's "cannot batch this" into our error naming the op and
+  // the ways out; any other exception (the user's own) goes on unchanged.
+  [[noreturn]] void handle_composite_error(python_error& e) const {
+    e.persist();
+    bool is_runtime_error = false;
+    {
+      py::gil_scoped_acquire gil;
+      is_runtime_error = e.type != nullptr &&
+          PyErr_GivenExceptionMatches(e.type, PyExc_RuntimeError);
+    }
+    if (!is_runtime_error || !looks_like_batching_failure(e.what())) {
+      throw std::move(e);
+    }
+    fail_unbatchable(e.what());
   }
 
   [[noreturn]] void fail_unbatchable(const std::string& cause) const {
