@@ -26,7 +26,7 @@ setup(
         CppExtension(
             "torch_autobatch._C",
             SOURCES,
-            include_dirs=[str(ROOT / "csrc")],
+            include_dirs=[str(ROOT / "csrc"), str(ROOT / "csrc" / "shim")],
             extra_compile_args={"cxx": CXX_FLAGS},
         )
     ],

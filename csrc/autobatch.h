@@ -12,7 +12,9 @@
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +58,13 @@ class PyRef {
   PyObject* obj_ = nullptr;
 };
 
+// How the batched kernel computes an op's outputs under vmap.
+enum class VmapMode : int {
+  Composite = 0, // the op's own function, once, on batched tensors (default)
+  Rule = 1, // the user's register_vmap rule
+  Loop = 2, // one call per example (custom_op(..., vmap="loop"))
+};
+
 // What our kernels know about one operator.
 struct OpState {
   std::string qualname; // "mylib::softclip"
@@ -64,11 +73,54 @@ struct OpState {
   // The torch_autobatch.CustomOpDef. Its private methods are the Python half
   // of each kernel: _setup_autograd (forward) and _run_backward (backward).
   PyRef opdef;
+  std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
 };
 
-// Registers our Autograd-key kernel for `state->qualname` into `lib`
-// (a torch::Library IMPL fragment for the op's namespace). autograd.cpp.
+// Where the tensors of one schema argument (or return) sit in a flat list of
+// tensors. `count` is 0 for a non-tensor or a None `Tensor?`.
+struct Slot {
+  size_t first = 0;
+  size_t count = 0;
+  bool is_list = false;
+};
+
+// Appends the tensors of `values` to `tensors` in order; returns each value's slot.
+std::vector<Slot> flatten_tensors(
+    c10::ArrayRef<c10::IValue> values,
+    std::vector<at::Tensor>& tensors);
+
+// One vmap level that a grad node re-enters in backward: where the batch
+// dimension sits in each input, output and saved tensor of the node's level.
+struct VmapFrame {
+  c10::SymInt batch_size;
+  int64_t randomness = 0; // at::functorch::RandomnessType
+  std::vector<std::optional<int64_t>> in_bdims, out_bdims, saved_bdims;
+};
+
+// Calls the op's Python `_setup_autograd(inputs, output, needs_input_grad)`
+// and returns the ctx; `saved` receives what it passed to save_for_backward.
+// Requires the GIL.
+py::object call_setup_context(
+    const OpState& state,
+    c10::ArrayRef<c10::IValue> args,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<bool>& needs_input_grad,
+    std::vector<at::Tensor>& saved);
+
+// Raises if an output shares memory with an input (the schema declares no
+// aliasing).
+void check_no_aliasing(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs);
+
+// Registers our kernels for `state->qualname` into `lib` (a torch::Library
+// IMPL fragment of the op's namespace): autograd.cpp, batched.cpp.
 void register_autograd_kernel(
+    torch::Library& lib,
+    const std::shared_ptr<OpState>& state);
+void register_batched_kernel(
     torch::Library& lib,
     const std::shared_ptr<OpState>& state);
 

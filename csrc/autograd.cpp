@@ -11,12 +11,12 @@
 // Grad level expects: functorch re-enables the Autograd keys per level and our
 // kernel runs once per level, on that level's TensorWrappers.
 #include "autobatch.h"
+#include "functorch.h"
+#include "grad_node.h"
 
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/library.h>
 
@@ -41,27 +41,13 @@ void rethrow_python_error(py::error_already_set& e) {
   // Hand the exception over as torch's python_error: torch's bindings and the
   // autograd engine re-raise it in Python unchanged (type, message, traceback)
   // on whatever thread the op or the backward was called from.
+  py::gil_scoped_acquire gil;
   e.restore();
   ::python_error err;
   err.persist();
   throw err;
 }
 
-namespace {
-
-using torch::autograd::Node;
-using torch::autograd::SavedVariable;
-using torch::autograd::variable_list;
-
-// Where the tensors of one schema argument (or return) sit among the node's
-// edges (or inputs). `count` is 0 for a non-tensor or a None `Tensor?`.
-struct Slot {
-  size_t first = 0;
-  size_t count = 0;
-  bool is_list = false;
-};
-
-// Flattens the tensors of `values` in order, recording each value's slot.
 std::vector<Slot> flatten_tensors(
     c10::ArrayRef<c10::IValue> values,
     std::vector<at::Tensor>& tensors) {
@@ -84,95 +70,106 @@ std::vector<Slot> flatten_tensors(
   return slots;
 }
 
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
 bool aliases(const at::Tensor& a, const at::Tensor& b) {
-  // BatchedTensors and some wrappers have no storage: nothing to compare.
-  return a.defined() && b.defined() && a.has_storage() && b.has_storage() &&
-      a.is_alias_of(b);
+  if (!a.defined() || !b.defined()) {
+    return false;
+  }
+  if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) {
+    return true;
+  }
+  // BatchedTensors and TensorWrappers may have no storage of their own.
+  const auto pa = functorch::innermost(a);
+  const auto pb = functorch::innermost(b);
+  return pa.has_storage() && pb.has_storage() && pa.is_alias_of(pb);
 }
 
-class CustomOpNode final : public Node {
- public:
-  CustomOpNode(
-      std::shared_ptr<OpState> state,
-      std::vector<Slot> arg_slots,
-      std::vector<Slot> ret_slots,
-      const std::vector<at::Tensor>& inputs)
-      : Node(torch::autograd::collect_next_edges(inputs)),
-        state_(std::move(state)),
-        arg_slots_(std::move(arg_slots)),
-        ret_slots_(std::move(ret_slots)) {
-    input_meta_.reserve(inputs.size());
-    for (const auto& t : inputs) {
-      input_meta_.emplace_back(t);
+// Gives `g` (a gradient one vmap level down) the batch layout of its input:
+// batch dimension at `want` (or none), from `have`.
+at::Tensor match_bdim(
+    at::Tensor g,
+    std::optional<int64_t> have,
+    std::optional<int64_t> want,
+    const c10::SymInt& batch_size) {
+  if (!want) {
+    // The input was the same for every example: its gradient is their sum.
+    return have ? g.sum(*have) : g;
+  }
+  if (!have) {
+    g = g.unsqueeze(*want);
+    auto sizes = g.sym_sizes().vec();
+    sizes[*want] = batch_size;
+    return g.expand_symint(sizes);
+  }
+  return *have == *want ? g : g.movedim(*have, *want);
+}
+
+} // namespace
+
+CustomOpNode::CustomOpNode(
+    std::shared_ptr<OpState> state,
+    std::vector<Slot> arg_slots,
+    std::vector<Slot> ret_slots,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& logical_inputs,
+    std::vector<VmapFrame> frames)
+    : Node(torch::autograd::collect_next_edges(inputs)),
+      state_(std::move(state)),
+      arg_slots_(std::move(arg_slots)),
+      ret_slots_(std::move(ret_slots)),
+      frames_(std::move(frames)) {
+  logical_meta_.reserve(logical_inputs.size());
+  for (const auto& t : logical_inputs) {
+    logical_meta_.emplace_back(t);
+  }
+}
+
+void CustomOpNode::set_history(const std::vector<at::Tensor>& outputs) {
+  differentiable_.reserve(outputs.size());
+  for (const auto& out : outputs) {
+    const bool diff = out.defined() &&
+        torch::autograd::isDifferentiableType(out.scalar_type());
+    if (diff) {
+      torch::autograd::set_history(out, getptr());
+    } else {
+      add_input_metadata(Node::undefined_input());
     }
+    differentiable_.push_back(diff);
   }
+  outputs_for_saving_ = outputs;
+}
 
-  std::string name() const override {
-    return state_->node_name;
-  }
-
-  // Gives each output its grad edge into this node. Non-differentiable
-  // (integer, bool) outputs get none, and their gradient is None in backward.
-  void set_history(const std::vector<at::Tensor>& outputs) {
-    differentiable_.reserve(outputs.size());
-    for (const auto& out : outputs) {
-      const bool diff = out.defined() &&
-          torch::autograd::isDifferentiableType(out.scalar_type());
-      if (diff) {
-        torch::autograd::set_history(out, getptr());
-      } else {
-        add_input_metadata(Node::undefined_input());
-      }
-      differentiable_.push_back(diff);
+void CustomOpNode::save(py::handle ctx, const std::vector<at::Tensor>& saved) {
+  saved_.reserve(saved.size());
+  for (const auto& t : saved) {
+    if (!t.defined()) {
+      saved_.emplace_back();
+      continue;
     }
+    // An output is saved without its grad_fn (this node): no reference cycle.
+    const bool is_output = std::any_of(
+        outputs_for_saving_.begin(),
+        outputs_for_saving_.end(),
+        [&](const at::Tensor& out) {
+          return out.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+        });
+    saved_.emplace_back(t, is_output);
   }
+  outputs_for_saving_.clear();
+  ctx_ = PyRef(py::reinterpret_borrow<py::object>(ctx));
+}
 
-  // Takes what the user's setup_context passed to ctx.save_for_backward.
-  // Requires the GIL.
-  void save(py::object ctx, const std::vector<at::Tensor>& outputs) {
-    py::object to_save = ctx.attr("_to_save");
-    if (!to_save.is_none()) {
-      for (py::handle item : to_save) {
-        if (item.is_none()) {
-          saved_.emplace_back();
-          continue;
-        }
-        const at::Tensor& t = THPVariable_Unpack(item.ptr());
-        const bool is_output = std::any_of(
-            outputs.begin(), outputs.end(), [&](const at::Tensor& out) {
-              return out.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
-            });
-        saved_.emplace_back(t, is_output);
-      }
-      ctx.attr("_to_save") = py::none();
-    }
-    ctx_ = PyRef(std::move(ctx));
-  }
-
-  variable_list apply(variable_list&& grads) override;
-
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    released_ = true;
-    saved_.clear();
-    ctx_.reset();
-  }
-
- private:
-  py::tuple wrap_grads(variable_list& grads) const;
-  variable_list unwrap_input_grads(py::handle result) const;
-  at::Tensor check_input_grad(py::handle grad, size_t edge, size_t arg) const;
-  [[noreturn]] void fail_backward(const std::string& what) const;
-
-  std::shared_ptr<OpState> state_;
-  std::vector<Slot> arg_slots_; // schema arguments -> next edges
-  std::vector<Slot> ret_slots_; // schema returns -> node inputs
-  std::vector<torch::autograd::TypeAndSize> input_meta_; // per next edge
-  std::vector<bool> differentiable_; // per node input
-  std::vector<SavedVariable> saved_;
-  PyRef ctx_;
-  bool released_ = false;
-};
+void CustomOpNode::release_variables() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  released_ = true;
+  saved_.clear();
+  ctx_.reset();
+}
 
 variable_list CustomOpNode::apply(variable_list&& grads) {
   std::vector<at::Tensor> saved;
@@ -190,21 +187,67 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
       grads[i] = input_metadata(i).zeros_like();
     }
   }
-  py::gil_scoped_acquire gil;
-  try {
-    py::tuple py_saved(saved.size());
-    for (size_t i = 0; i < saved.size(); ++i) {
-      py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
+
+  // NOTE [Free batching rule], backward half: re-enter the vmap levels that
+  // were above this node in the forward, outermost first, so the user's
+  // backward sees each example's shapes and runs batched.
+  std::vector<std::unique_ptr<functorch::VmapLevelGuard>> levels;
+  for (const auto& f : frames_) {
+    levels.push_back(std::make_unique<functorch::VmapLevelGuard>(
+        f.batch_size, static_cast<functorch::RandomnessType>(f.randomness)));
+    const int64_t lvl = levels.back()->level();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (grads[i].defined()) {
+        grads[i] = at::functorch::makeBatched(grads[i], f.out_bdims[i], lvl);
+      }
     }
-    py::object result = state_->opdef.get().attr("_run_backward")(
-        ctx_.get(), py_saved, wrap_grads(grads));
-    return unwrap_input_grads(result);
-  } catch (py::error_already_set& e) {
-    rethrow_python_error(e);
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (saved[i].defined()) {
+        saved[i] = at::functorch::makeBatched(saved[i], f.saved_bdims[i], lvl);
+      }
+    }
   }
+
+  variable_list out;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      py::tuple py_saved(saved.size());
+      for (size_t i = 0; i < saved.size(); ++i) {
+        py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
+      }
+      py::object result = state_->opdef.get().attr("_run_backward")(
+          ctx_.get(), py_saved, wrap_grads(grads));
+      out = unwrap_input_grads(result);
+    } catch (py::error_already_set& e) {
+      rethrow_python_error(e);
+    }
+  }
+  saved.clear();
+  grads.clear();
+
+  // Back to this node's level, innermost vmap level first.
+  for (size_t k = frames_.size(); k-- > 0;) {
+    const VmapFrame& f = frames_[k];
+    std::vector<std::optional<int64_t>> have(out.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i].defined()) {
+        std::tie(out[i], have[i]) =
+            at::functorch::unwrapTensorAtLevel(out[i], levels[k]->level());
+      }
+    }
+    levels[k]->pop();
+    levels.pop_back();
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i].defined()) {
+        out[i] = match_bdim(out[i], have[i], f.in_bdims[i], f.batch_size);
+      }
+    }
+  }
+  return out;
 }
 
-py::tuple CustomOpNode::wrap_grads(variable_list& grads) const {
+py::tuple CustomOpNode::wrap_grads(const variable_list& grads) const {
   auto wrap = [](const at::Tensor& t) {
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
   };
@@ -250,7 +293,7 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
         "). Return one gradient per input, None for non-tensor inputs and for "
         "inputs that need no gradient.");
   }
-  variable_list out(input_meta_.size());
+  variable_list out(logical_meta_.size());
   for (size_t a = 0; a < arg_slots_.size(); ++a) {
     const Slot& s = arg_slots_[a];
     py::handle g = res[a];
@@ -293,7 +336,7 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
         " as the gradient of input '" + arg_name + "'; expected a Tensor or None.");
   }
   const at::Tensor& g = THPVariable_Unpack(grad.ptr());
-  const auto& meta = input_meta_[edge];
+  const auto& meta = logical_meta_[edge];
   if (!g.sym_sizes().equals(meta.sym_sizes)) {
     std::ostringstream msg;
     msg << "returned a gradient of shape " << g.sym_sizes() << " for input '"
@@ -313,6 +356,68 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
   // An input that does not require grad has no edge: drop its gradient.
   return next_edge(edge).is_valid() ? g : at::Tensor();
 }
+
+void check_no_aliasing(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs) {
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    for (const auto& in : inputs) {
+      TORCH_CHECK(
+          !aliases(outputs[o], in),
+          "torch_autobatch: ",
+          state.qualname,
+          " returned an output (tensor ",
+          o,
+          ") that aliases one of its inputs, which its schema `",
+          schema,
+          "` does not declare. Operators made by torch_autobatch.custom_op "
+          "must return new tensors: return `x.clone()` instead of `x` or a "
+          "view of it.");
+    }
+  }
+}
+
+py::object call_setup_context(
+    const OpState& state,
+    c10::ArrayRef<c10::IValue> args,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<bool>& needs_input_grad,
+    std::vector<at::Tensor>& saved) {
+  try {
+    py::tuple py_args(args.size());
+    py::tuple needs(args.size());
+    for (size_t a = 0; a < args.size(); ++a) {
+      py_args[a] = torch::jit::toPyObject(args[a]);
+      needs[a] = py::bool_(needs_input_grad[a]);
+    }
+    py::object py_output;
+    if (returns.size() == 1) {
+      py_output = torch::jit::toPyObject(returns[0]);
+    } else {
+      py::tuple outs(returns.size());
+      for (size_t r = 0; r < returns.size(); ++r) {
+        outs[r] = torch::jit::toPyObject(returns[r]);
+      }
+      py_output = outs;
+    }
+    py::object ctx = state.opdef.get().attr("_setup_autograd")(py_args, py_output, needs);
+    py::object to_save = ctx.attr("_to_save");
+    if (!to_save.is_none()) {
+      for (py::handle item : to_save) {
+        saved.push_back(
+            item.is_none() ? at::Tensor() : THPVariable_Unpack(item.ptr()));
+      }
+      ctx.attr("_to_save") = py::none();
+    }
+    return ctx;
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+}
+
+namespace {
 
 [[noreturn]] void fail_forward_mode(const OpState& state) {
   TORCH_CHECK_NOT_IMPLEMENTED(
@@ -348,8 +453,7 @@ class AutogradKernel final : public c10::OperatorKernel {
       }
       any_requires_grad |= t.defined() && t.requires_grad();
     }
-    const bool needs_node =
-        any_requires_grad && c10::GradMode::is_enabled();
+    const bool needs_node = any_requires_grad && c10::GradMode::is_enabled();
     std::vector<c10::IValue> saved_args;
     if (needs_node) {
       saved_args.assign(args.begin(), args.end());
@@ -363,69 +467,40 @@ class AutogradKernel final : public c10::OperatorKernel {
 
     std::vector<at::Tensor> outputs;
     auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
-    check_no_aliasing(schema, inputs, outputs);
+    check_no_aliasing(*state_, schema, inputs, outputs);
     if (!needs_node) {
       return;
     }
 
     auto node = c10::make_intrusive<CustomOpNode>(
-        state_, std::move(arg_slots), std::move(ret_slots), inputs);
+        state_, std::move(arg_slots), std::move(ret_slots), inputs, inputs,
+        std::vector<VmapFrame>{});
     node->set_history(outputs);
-
-    py::gil_scoped_acquire gil;
-    try {
-      py::tuple py_args(num_args);
-      py::tuple needs_input_grad(num_args);
-      for (size_t a = 0; a < num_args; ++a) {
-        py_args[a] = torch::jit::toPyObject(saved_args[a]);
-        bool needs = false;
-        if (saved_args[a].isTensor()) {
-          needs = saved_args[a].toTensor().requires_grad();
-        } else if (saved_args[a].isTensorList()) {
-          for (const at::Tensor& t : saved_args[a].toTensorList()) {
-            needs |= t.requires_grad();
-          }
-        }
-        needs_input_grad[a] = py::bool_(needs);
-      }
-      py::object py_output;
-      if (num_returns == 1) {
-        py_output = torch::jit::toPyObject(stack->back());
-      } else {
-        py::tuple outs(num_returns);
-        for (size_t r = 0; r < num_returns; ++r) {
-          outs[r] = torch::jit::toPyObject((*stack)[stack->size() - num_returns + r]);
-        }
-        py_output = outs;
-      }
-      py::object ctx = state_->opdef.get().attr("_setup_autograd")(
-          py_args, py_output, needs_input_grad);
-      node->save(std::move(ctx), outputs);
-    } catch (py::error_already_set& e) {
-      rethrow_python_error(e);
+    std::vector<bool> needs_input_grad(num_args, false);
+    for (size_t a = 0; a < num_args; ++a) {
+      needs_input_grad[a] = requires_grad(saved_args[a]);
     }
+    py::gil_scoped_acquire gil;
+    std::vector<at::Tensor> saved;
+    py::object ctx = call_setup_context(
+        *state_, saved_args, torch::jit::last(*stack, num_returns),
+        needs_input_grad, saved);
+    node->save(ctx, saved);
   }
 
  private:
-  void check_no_aliasing(
-      const c10::FunctionSchema& schema,
-      const std::vector<at::Tensor>& inputs,
-      const std::vector<at::Tensor>& outputs) const {
-    for (size_t o = 0; o < outputs.size(); ++o) {
-      for (const auto& in : inputs) {
-        TORCH_CHECK(
-            !aliases(outputs[o], in),
-            "torch_autobatch: ",
-            state_->qualname,
-            " returned an output (tensor ",
-            o,
-            ") that aliases one of its inputs, which its schema `",
-            schema,
-            "` does not declare. Operators made by torch_autobatch.custom_op "
-            "must return new tensors: return `x.clone()` instead of `x` or a "
-            "view of it.");
+  static bool requires_grad(const c10::IValue& v) {
+    if (v.isTensor()) {
+      return v.toTensor().requires_grad();
+    }
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        if (t.requires_grad()) {
+          return true;
+        }
       }
     }
+    return false;
   }
 
   std::shared_ptr<OpState> state_;

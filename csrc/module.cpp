@@ -37,6 +37,7 @@ std::unique_ptr<Registration> register_op(
   reg->lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, qualname.substr(0, sep), std::nullopt, __FILE__, __LINE__);
   register_autograd_kernel(*reg->lib, state);
+  register_batched_kernel(*reg->lib, state);
   return reg;
 }
 
@@ -49,7 +50,14 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "C++ kernels of torch_autobatch (internal; use torch_autobatch.custom_op)";
   py::class_<tab::Registration>(m, "_Registration")
       .def_property_readonly(
-          "qualname", [](const tab::Registration& r) { return r.state->qualname; });
+          "qualname", [](const tab::Registration& r) { return r.state->qualname; })
+      .def(
+          "set_vmap_mode",
+          [](tab::Registration& r, int mode) {
+            TORCH_CHECK(mode >= 0 && mode <= 2, "bad vmap mode ", mode);
+            r.state->vmap_mode.store(static_cast<tab::VmapMode>(mode));
+          },
+          "0: composite (default), 1: the register_vmap rule, 2: per-example loop");
   m.def(
       "_register_op",
       [](const std::string& qualname, py::object opdef) {

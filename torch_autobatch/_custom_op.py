@@ -21,6 +21,12 @@ from torch._library.infer_schema import infer_schema
 
 from . import _C
 from ._autograd import BackwardContext, run_backward
+from torch._functorch.autograd_function import VmapInfo
+
+# Batched-kernel modes (csrc/autobatch.h VmapMode) and functorch's
+# RandomnessType order (ATen/functorch/Interpreter.h).
+_VMAP_RULE, _VMAP_LOOP = 1, 2
+_RANDOMNESS = ("error", "same", "different")
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]
@@ -53,6 +59,7 @@ class CustomOpDef:
         schema: str,
         fn: Callable[..., Any],
         device_types: DeviceTypes,
+        vmap: str = "auto",
     ) -> None:
         self._namespace = namespace
         self._name = name
@@ -61,6 +68,7 @@ class CustomOpDef:
         self._fake_fn: Optional[Callable[..., Any]] = None
         self._backward_fn: Optional[Callable[..., Any]] = None
         self._setup_context_fn: Optional[Callable[..., Any]] = None
+        self._vmap_rule: Optional[Callable[..., Any]] = None
         self._schema = schema
 
         self._lib = torch.library.Library(namespace, "FRAGMENT")
@@ -72,6 +80,8 @@ class CustomOpDef:
             self._lib.impl(name, fn, key)
         self._lib._register_fake(name, self._fake_impl, _stacklevel=1)
         self._registration = _C._register_op(self._qualname, self)
+        if vmap == "loop":
+            self._registration.set_vmap_mode(_VMAP_LOOP)
         self.__name__ = name
         self.__qualname__ = name
         self.__doc__ = fn.__doc__
@@ -158,7 +168,56 @@ class CustomOpDef:
             self._lib.impl(self._name, fn, key, allow_override=True)
         return fn
 
+    def register_vmap(self, rule: F, /) -> F:
+        """Registers a batching rule that replaces the automatic one, as :func:`torch.library.register_vmap`.
+
+        ``rule(info, in_dims, *args) -> (output, out_dims)``: ``info.batch_size``
+        and ``info.randomness`` describe the vmap; ``in_dims`` holds each
+        argument's batch dim (None when unbatched) and ``args`` the unbatched
+        tensors. You rarely need this: by default vmap runs the op's own
+        function once on batched tensors. The registered backward still governs
+        gradients. Returns ``rule``, so it can be used as a decorator.
+        """
+        if not callable(rule):
+            raise TypeError(
+                f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}."
+            )
+        self._vmap_rule = rule
+        self._registration.set_vmap_mode(_VMAP_RULE)
+        return rule
+
     # ------------------------------------- called by the C++ kernels (internal)
+    def _run_vmap_rule(
+        self, batch_size: int, randomness: int, in_dims: tuple[Any, ...], args: tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...], tuple[Optional[int], ...]]:
+        info = VmapInfo(batch_size, _RANDOMNESS[randomness])
+        result = self._vmap_rule(info, in_dims, *args)  # type: ignore[misc]
+        rule_name = _fn_name(self._vmap_rule)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise RuntimeError(
+                f"torch_autobatch: the vmap rule of {self._qualname} ({rule_name}) must "
+                f"return a tuple (output, out_dims); got {type(result).__name__}."
+            )
+        out, out_dims = result
+        num_returns = len(self._opoverload._schema.returns)
+        if num_returns == 1:
+            out, out_dims = (out,), (out_dims,)
+        if not isinstance(out, tuple) or not isinstance(out_dims, tuple) or not (
+            len(out) == len(out_dims) == num_returns
+        ):
+            raise RuntimeError(
+                f"torch_autobatch: the vmap rule of {self._qualname} ({rule_name}) returned "
+                f"output={out!r:.60} and out_dims={out_dims!r}; expected {num_returns} "
+                f"output(s) and as many out_dims (an int, or None for an unbatched output)."
+            )
+        for d in out_dims:
+            if d is not None and not isinstance(d, int):
+                raise RuntimeError(
+                    f"torch_autobatch: the vmap rule of {self._qualname} ({rule_name}) "
+                    f"returned out_dims={out_dims!r}; each must be an int or None."
+                )
+        return out, out_dims
+
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
         return (self._fake_fn or self._init_fn)(*args, **kwargs)
 
@@ -212,6 +271,7 @@ def custom_op(
     mutates_args: Union[str, Iterable[str]],
     device_types: DeviceTypes = None,
     schema: Optional[str] = None,
+    vmap: str = "auto",
 ) -> Any:
     """Makes a Python function built from torch ops into a dispatcher operator.
 
@@ -236,7 +296,15 @@ def custom_op(
         mutates_args: must be ``()`` (mutating ops are not supported yet).
         device_types: device types ``fn`` implements (default: all).
         schema: the schema string (default: inferred from ``fn``'s type hints).
+        vmap: ``"auto"`` (default): vmap runs ``fn`` once on batched tensors,
+            so each torch op inside is batched by its own rule. ``"loop"``:
+            one call per example, for a ``fn`` that cannot be batched (uses
+            ``.item()``, ``.numpy()``, or Python control flow on tensor values).
     """
+    if vmap not in ("auto", "loop"):
+        raise ValueError(
+            f"torch_autobatch.custom_op({name!r}): vmap must be 'auto' or 'loop', got {vmap!r}."
+        )
 
     def inner(f: Callable[..., Any]) -> CustomOpDef:
         if "::" not in name:
@@ -249,6 +317,6 @@ def custom_op(
             f, mutates_args=mutates_args
         )
         _check_functional(name, mutates_args, op_schema)
-        return CustomOpDef(namespace, opname, op_schema, f, device_types)
+        return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap)
 
     return inner if fn is None else inner(fn)

@@ -1,0 +1,490 @@
+// The FuncTorchBatched-key kernel of every torch_autobatch operator: vmap of
+// the op with no batching rule written by the user.
+//
+// NOTE [Free batching rule]
+// Forward: when an input is batched at the current vmap level, we run the op's
+// own function ONCE on the BatchedTensors, dispatching straight to its backend
+// kernel, so each aten op inside hits its own batching rule (no per-example
+// loop). It runs with GradMode off: below the vmap level functorch's Grad
+// interpreters re-enable the Autograd keys, and excluding keys would not stop
+// the decomposition from being recorded there.
+// Then, without running anything again, we give the outputs the op's own grad
+// node at every autograd level below (each functorch Grad level, and the base),
+// walking the dynamic layer stack down from the top: at a Vmap level we unwrap
+// and remember the batch dims (a VmapFrame), at a Grad level we attach a node
+// to that level's TensorWrappers. A node attached once, only at the level
+// right below vmap, gives silently wrong gradients for vmap(vmap(op)) and for
+// an outer grad differentiating a value computed under an inner one.
+// Backward (CustomOpNode::apply): the node re-enters its VmapFrames, so the
+// user's backward runs batched too, then unbatches and reduces the gradients
+// of inputs that were not batched.
+#include "autobatch.h"
+#include "functorch.h"
+#include "grad_node.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+namespace torch_autobatch {
+namespace {
+
+using at::functorch::DynamicLayer;
+using functorch::RandomnessType;
+using functorch::TransformType;
+
+// NOTE [Key sets of the batched kernel]
+// Both are computed from the dispatch-key order (NOTE in DESIGN.md section 3),
+// never listed by hand:
+// - kBelowBatched: redispatch when nothing is batched at this level. The keys
+//   between FuncTorchBatched and FuncTorchDynamicLayerBackMode are excluded by
+//   the vmap interpreter anyway; BackMode hands the op to the next level.
+// - kBackendKeys: where the op's own function is registered. The composite
+//   skips BackMode (the op must run at THIS level, on BatchedTensors) and the
+//   Python key (a mode would see BatchedTensors; it sees the aten ops of the
+//   composite instead, one level down, as for any batched aten op).
+const c10::DispatchKeySet kBelowBatched(
+    c10::DispatchKeySet::FULL_AFTER,
+    c10::DispatchKey::FuncTorchBatched);
+const c10::DispatchKeySet kBackendKeys(
+    c10::DispatchKeySet::FULL_AFTER,
+    c10::DispatchKey::BackendSelect);
+
+// Unwraps every defined tensor of `ts` at vmap level `level`; returns the bdims.
+std::vector<std::optional<int64_t>> unwrap_vmap_level(
+    std::vector<at::Tensor>& ts,
+    int64_t level) {
+  std::vector<std::optional<int64_t>> bdims(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (ts[i].defined()) {
+      std::tie(ts[i], bdims[i]) = at::functorch::unwrapTensorAtLevel(ts[i], level);
+    }
+  }
+  return bdims;
+}
+
+void unwrap_wrapper_level(std::vector<at::Tensor>& ts, int64_t level) {
+  for (auto& t : ts) {
+    if (t.defined()) {
+      t = functorch::unwrap_grad_level(t, level);
+    }
+  }
+}
+
+bool looks_like_batching_failure(const std::string& msg) {
+  if (msg.find("randomness") != std::string::npos) {
+    return false; // vmap(..., randomness="error"): functorch's message is clear
+  }
+  for (const char* needle :
+       {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage"}) {
+    if (msg.find(needle) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+class BatchedKernel final : public c10::OperatorKernel {
+ public:
+  explicit BatchedKernel(std::shared_ptr<OpState> state)
+      : state_(std::move(state)) {}
+
+  void operator()(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet ks,
+      torch::jit::Stack* stack) {
+    const auto layer = at::functorch::maybeCurrentDynamicLayer();
+    TORCH_INTERNAL_ASSERT(layer.has_value() && layer->key() == TransformType::Vmap);
+    const int64_t level = layer->layerId();
+    const auto& schema = op.schema();
+    const size_t num_args = schema.arguments().size();
+    const size_t num_returns = schema.returns().size();
+    const auto args = torch::jit::last(*stack, num_args);
+
+    std::vector<at::Tensor> inputs;
+    auto arg_slots = flatten_tensors(args, inputs);
+    const at::Tensor* batched = nullptr;
+    for (const auto& t : inputs) {
+      if (t.defined() && at::functorch::isBatchedAtLevel(t, level)) {
+        batched = &t;
+        break;
+      }
+    }
+    if (batched == nullptr) {
+      op.redispatchBoxed(ks & kBelowBatched, stack);
+      return;
+    }
+    const auto mode = state_->vmap_mode.load();
+    if (mode == VmapMode::Loop) {
+      run_loop(op, *layer, stack);
+      return;
+    }
+
+    const bool grad_mode = c10::GradMode::is_enabled();
+    std::vector<c10::IValue> saved_args(args.begin(), args.end());
+    {
+      c10::AutoGradMode no_grad(false);
+      if (mode == VmapMode::Rule) {
+        run_rule(op, *layer, stack);
+      } else {
+        run_composite(op, functorch::innermost(*batched), stack);
+      }
+    }
+    std::vector<at::Tensor> outputs;
+    auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
+    check_no_aliasing(*state_, schema, inputs, outputs);
+    attach_grad_nodes(
+        grad_mode, std::move(arg_slots), std::move(ret_slots), saved_args,
+        torch::jit::last(*stack, num_returns), inputs, outputs);
+  }
+
+ private:
+  void run_composite(
+      const c10::OperatorHandle& op,
+      const at::Tensor& physical,
+      torch::jit::Stack* stack) const {
+    try {
+      op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
+    } catch (py::error_already_set& e) {
+      // A Python kernel's exception arrives as pybind11's; make it torch's.
+      try {
+        rethrow_python_error(e);
+      } catch (python_error& err) {
+        handle_composite_error(err);
+      }
+    } catch (python_error& e) {
+      handle_composite_error(e);
+    } catch (const c10::Error& e) {
+      if (!looks_like_batching_failure(e.what_without_backtrace())) {
+        throw;
+      }
+      fail_unbatchable(e.what_without_backtrace());
+    }
+  }
+
+  // Turns functorch's "cannot batch this" into our error naming the op and
+  // the ways out; any other exception (the user's own) goes on unchanged.
+  [[noreturn]] void handle_composite_error(python_error& e) const {
+    e.persist();
+    bool is_runtime_error = false;
+    {
+      py::gil_scoped_acquire gil;
+      is_runtime_error = e.type != nullptr &&
+          PyErr_GivenExceptionMatches(e.type, PyExc_RuntimeError);
+    }
+    if (!is_runtime_error || !looks_like_batching_failure(e.what())) {
+      throw std::move(e);
+    }
+    fail_unbatchable(e.what());
+  }
+
+  [[noreturn]] void fail_unbatchable(const std::string& cause) const {
+    const auto& name = state_->qualname.substr(state_->qualname.find("::") + 2);
+    TORCH_CHECK(
+        false,
+        "torch_autobatch: vmap of ",
+        state_->qualname,
+        " runs its function once on batched tensors, and that failed:\n  ",
+        cause,
+        "\nA function vmap can batch uses torch ops only: no .item(), "
+        ".tolist(), .numpy(), and no Python control flow on tensor values. "
+        "Two ways out: register a batching rule with ",
+        name,
+        ".register_vmap(rule), or define the op with "
+        "torch_autobatch.custom_op(..., vmap=\"loop\") to run it once per "
+        "example (slower, correct for values and gradients).");
+  }
+
+  // The user's register_vmap rule, on the tensors unwrapped at this level.
+  void run_rule(
+      const c10::OperatorHandle& op,
+      const DynamicLayer& layer,
+      torch::jit::Stack* stack) const;
+
+  // vmap="loop": one call per example, one level down; each call gets its own
+  // grad nodes there, so no node is attached here.
+  void run_loop(
+      const c10::OperatorHandle& op,
+      const DynamicLayer& layer,
+      torch::jit::Stack* stack) const;
+
+  void attach_grad_nodes(
+      bool grad_mode,
+      std::vector<Slot> arg_slots,
+      std::vector<Slot> ret_slots,
+      const std::vector<c10::IValue>& args,
+      c10::ArrayRef<c10::IValue> returns,
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs) const;
+
+  std::shared_ptr<OpState> state_;
+};
+
+void BatchedKernel::attach_grad_nodes(
+    bool grad_mode,
+    std::vector<Slot> arg_slots,
+    std::vector<Slot> ret_slots,
+    const std::vector<c10::IValue>& args,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs) const {
+  const auto& layers = at::functorch::getDynamicLayerStack();
+
+  // 1. Walk down the levels; attach a node, with history on the outputs, at
+  //    each autograd level where an input requires grad.
+  struct Site {
+    c10::intrusive_ptr<CustomOpNode> node;
+    int64_t level; // -1: the base
+    size_t num_frames;
+  };
+  std::vector<Site> sites;
+  std::vector<VmapFrame> frames; // innermost first
+  std::vector<at::Tensor> in = inputs;
+  std::vector<at::Tensor> out = outputs;
+  std::vector<bool> needs(inputs.size(), false);
+  bool mode = grad_mode; // the grad mode in force at the level being visited
+  auto attach = [&](int64_t level,
+                    const std::vector<at::Tensor>& in_here,
+                    const std::vector<at::Tensor>& out_here) {
+    auto node = c10::make_intrusive<CustomOpNode>(
+        state_, arg_slots, ret_slots, in_here, inputs,
+        std::vector<VmapFrame>(frames.rbegin(), frames.rend()));
+    node->set_history(out_here);
+    sites.push_back({std::move(node), level, frames.size()});
+  };
+  for (size_t i = layers.size(); i-- > 0;) {
+    const DynamicLayer& layer = layers[i];
+    const int64_t id = layer.layerId();
+    switch (layer.key()) {
+      case TransformType::Vmap: {
+        VmapFrame f;
+        f.batch_size = layer.batchSize();
+        f.randomness = static_cast<int64_t>(layer.randomness());
+        f.in_bdims = unwrap_vmap_level(in, id);
+        f.out_bdims = unwrap_vmap_level(out, id);
+        frames.push_back(std::move(f));
+        break;
+      }
+      case TransformType::Grad: {
+        std::vector<at::Tensor> in_here(in.size());
+        bool any = false;
+        for (size_t k = 0; k < in.size(); ++k) {
+          if (in[k].defined() && functorch::is_wrapped_at(in[k], id)) {
+            in_here[k] = in[k];
+            if (in[k].requires_grad()) {
+              any = needs[k] = true;
+            }
+          }
+        }
+        if (mode && any) {
+          std::vector<at::Tensor> out_here(out.size());
+          for (size_t k = 0; k < out.size(); ++k) {
+            if (out[k].defined() && functorch::is_wrapped_at(out[k], id)) {
+              out_here[k] = out[k];
+            }
+          }
+          attach(id, in_here, out_here);
+        }
+        unwrap_wrapper_level(in, id);
+        unwrap_wrapper_level(out, id);
+        mode = functorch::prev_grad_mode(layer);
+        break;
+      }
+      case TransformType::Jvp:
+        unwrap_wrapper_level(in, id);
+        unwrap_wrapper_level(out, id);
+        break;
+      default:
+        TORCH_CHECK_NOT_IMPLEMENTED(
+            false,
+            "torch_autobatch: vmap of ",
+            state_->qualname,
+            " inside torch.func.functionalize is not supported yet.");
+    }
+  }
+  if (mode) {
+    bool any = false;
+    for (size_t k = 0; k < in.size(); ++k) {
+      if (in[k].defined() && in[k].requires_grad()) {
+        any = needs[k] = true;
+      }
+    }
+    if (any) {
+      attach(-1, in, out);
+    }
+  }
+  if (sites.empty()) {
+    return;
+  }
+
+  // 2. The user's setup_context, once, on what it would see: the batched
+  //    inputs and outputs of this level.
+  std::vector<bool> needs_arg(args.size(), false);
+  for (size_t a = 0; a < args.size(); ++a) {
+    const Slot& s = arg_slots[a];
+    for (size_t k = s.first; k < s.first + s.count; ++k) {
+      needs_arg[a] = needs_arg[a] || needs[k];
+    }
+  }
+  py::gil_scoped_acquire gil;
+  std::vector<at::Tensor> saved;
+  py::object ctx = call_setup_context(*state_, args, returns, needs_arg, saved);
+
+  // 3. The same walk for the saved tensors: each node saves them as seen at
+  //    its level, with their batch dims in its frames.
+  std::vector<std::vector<std::optional<int64_t>>> saved_bdims; // innermost first
+  auto site = sites.begin();
+  auto hand_over = [&](int64_t level) {
+    if (site == sites.end() || site->level != level) {
+      return;
+    }
+    auto& node_frames = site->node->frames();
+    for (size_t j = 0; j < site->num_frames; ++j) {
+      node_frames[site->num_frames - 1 - j].saved_bdims = saved_bdims[j];
+    }
+    site->node->save(ctx, saved);
+    ++site;
+  };
+  for (size_t i = layers.size(); i-- > 0;) {
+    const DynamicLayer& layer = layers[i];
+    const int64_t id = layer.layerId();
+    if (layer.key() == TransformType::Vmap) {
+      saved_bdims.push_back(unwrap_vmap_level(saved, id));
+      continue;
+    }
+    if (layer.key() == TransformType::Grad) {
+      hand_over(id);
+    }
+    unwrap_wrapper_level(saved, id);
+  }
+  hand_over(-1);
+}
+
+void BatchedKernel::run_rule(
+    const c10::OperatorHandle& op,
+    const DynamicLayer& layer,
+    torch::jit::Stack* stack) const {
+  const int64_t level = layer.layerId();
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t num_returns = schema.returns().size();
+  // The rule computes on unbatched tensors: its ops go to the next level.
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  py::gil_scoped_acquire gil;
+  try {
+    py::tuple py_args(num_args);
+    py::tuple in_dims(num_args);
+    auto args = torch::jit::last(*stack, num_args);
+    for (size_t a = 0; a < num_args; ++a) {
+      const c10::IValue& v = args[a];
+      if (v.isTensor()) {
+        auto [value, bdim] = at::functorch::unwrapTensorAtLevel(v.toTensor(), level);
+        py_args[a] = py::reinterpret_steal<py::object>(THPVariable_Wrap(value));
+        in_dims[a] = bdim ? py::object(py::int_(*bdim)) : py::object(py::none());
+      } else if (v.isTensorList()) {
+        py::list values;
+        py::list dims;
+        for (const at::Tensor& t : v.toTensorList()) {
+          auto [value, bdim] = at::functorch::unwrapTensorAtLevel(t, level);
+          values.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(value)));
+          dims.append(bdim ? py::object(py::int_(*bdim)) : py::object(py::none()));
+        }
+        py_args[a] = values;
+        in_dims[a] = dims;
+      } else {
+        py_args[a] = torch::jit::toPyObject(v);
+        in_dims[a] = py::none();
+      }
+    }
+    py::tuple result = state_->opdef.get().attr("_run_vmap_rule")(
+        layer.batchSize().guard_int(__FILE__, __LINE__),
+        static_cast<int64_t>(layer.randomness()), in_dims, py_args);
+    // result: (outputs as a tuple, out_dims as a tuple), checked in Python.
+    py::tuple outs = result[0];
+    py::tuple out_dims = result[1];
+    torch::jit::drop(*stack, num_args);
+    for (size_t r = 0; r < num_returns; ++r) {
+      const auto& type = schema.returns()[r].type();
+      c10::IValue v = torch::jit::toIValue(outs[r], type);
+      if (v.isTensor()) {
+        const auto d = out_dims[r];
+        v = at::functorch::makeBatched(
+            v.toTensor(),
+            d.is_none() ? std::nullopt : std::optional<int64_t>(d.cast<int64_t>()),
+            level);
+      }
+      torch::jit::push(*stack, std::move(v));
+    }
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+}
+
+void BatchedKernel::run_loop(
+    const c10::OperatorHandle& op,
+    const DynamicLayer& layer,
+    torch::jit::Stack* stack) const {
+  const int64_t level = layer.layerId();
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t num_returns = schema.returns().size();
+  const int64_t batch_size = layer.batchSize().guard_int(__FILE__, __LINE__);
+  std::vector<c10::IValue> args(
+      stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
+  torch::jit::drop(*stack, num_args);
+
+  // Unwrap once; move every batch dim to the front.
+  std::vector<bool> is_batched(num_args, false);
+  for (size_t a = 0; a < num_args; ++a) {
+    TORCH_CHECK(
+        !args[a].isTensorList(),
+        "torch_autobatch: vmap=\"loop\" of ",
+        state_->qualname,
+        " does not support list-of-tensor arguments yet.");
+    if (args[a].isTensor()) {
+      auto [value, bdim] =
+          at::functorch::unwrapTensorAtLevel(args[a].toTensor(), level);
+      is_batched[a] = bdim.has_value();
+      args[a] = bdim ? value.movedim(*bdim, 0) : value;
+    }
+  }
+  std::vector<std::vector<at::Tensor>> results(num_returns);
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  for (int64_t b = 0; b < batch_size; ++b) {
+    torch::jit::Stack call;
+    for (size_t a = 0; a < num_args; ++a) {
+      call.push_back(is_batched[a] ? c10::IValue(args[a].toTensor().select(0, b)) : args[a]);
+    }
+    op.callBoxed(call);
+    for (size_t r = 0; r < num_returns; ++r) {
+      TORCH_CHECK(
+          call[r].isTensor(),
+          "torch_autobatch: vmap=\"loop\" of ",
+          state_->qualname,
+          " supports tensor outputs only; output ",
+          r,
+          " is a ",
+          call[r].tagKind());
+      results[r].push_back(call[r].toTensor());
+    }
+  }
+  for (size_t r = 0; r < num_returns; ++r) {
+    torch::jit::push(*stack, at::functorch::makeBatched(at::stack(results[r]), 0, level));
+  }
+}
+
+} // namespace
+
+void register_batched_kernel(
+    torch::Library& lib,
+    const std::shared_ptr<OpState>& state) {
+  const auto name = state->qualname.substr(state->qualname.find("::") + 2);
+  lib.impl(
+      name.c_str(),
+      torch::dispatch(
+          c10::DispatchKey::FuncTorchBatched,
+          torch::CppFunction::makeFromBoxedFunctor(
+              std::make_unique<BatchedKernel>(state))));
+}
+
+} // namespace torch_autobatch

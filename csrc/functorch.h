@@ -1,0 +1,77 @@
+// The one place torch_autobatch touches functorch's unstable C++ internals
+// (ATen/functorch, torch 2.13). Everything used here is exported from
+// libtorch_cpu; what is not exported (Interpreter::process,
+// sendToNextInterpreter, the loop fallback) is not used. Re-check this file on
+// every torch release.
+#pragma once
+
+#include <ATen/functorch/BatchedTensorImpl.h>
+#include <ATen/functorch/DynamicLayer.h> // needs csrc/shim: NOTE [nlohmann stub]
+#include <ATen/functorch/PlumbingHelper.h>
+#include <ATen/functorch/TensorWrapper.h>
+
+namespace torch_autobatch::functorch {
+
+using at::functorch::DynamicLayer;
+using at::functorch::RandomnessType;
+using at::functorch::TransformType;
+
+// The grad mode the op would see at a Grad level (prevGradMode is the mode in
+// force outside that level).
+inline bool prev_grad_mode(const DynamicLayer& layer) {
+  return std::get<at::functorch::GradInterpreterMeta>(layer.interpreter().meta())
+      .prevGradMode_;
+}
+
+// `t` seen from one level down: the wrapped value if `t` is a TensorWrapper of
+// `level`, else `t` itself.
+inline at::Tensor unwrap_grad_level(const at::Tensor& t, int64_t level) {
+  auto* w = at::functorch::maybeGetTensorWrapper(t);
+  return (w != nullptr && w->level() == level) ? w->value() : t;
+}
+
+inline bool is_wrapped_at(const at::Tensor& t, int64_t level) {
+  auto* w = at::functorch::maybeGetTensorWrapper(t);
+  return w != nullptr && w->level() == level;
+}
+
+// The innermost plain tensor under every BatchedTensor and TensorWrapper.
+inline at::Tensor innermost(at::Tensor t) {
+  while (true) {
+    if (auto* b = at::functorch::maybeGetBatchedImpl(t)) {
+      t = b->value();
+    } else if (auto* w = at::functorch::maybeGetTensorWrapper(t)) {
+      t = w->value();
+    } else {
+      return t;
+    }
+  }
+}
+
+// Pushes a vmap level for the lifetime of the guard (exception-safe).
+class VmapLevelGuard {
+ public:
+  VmapLevelGuard(const c10::SymInt& batch_size, RandomnessType randomness)
+      : level_(at::functorch::initAndPushDynamicLayer(
+            TransformType::Vmap, batch_size, randomness)) {}
+  VmapLevelGuard(const VmapLevelGuard&) = delete;
+  VmapLevelGuard& operator=(const VmapLevelGuard&) = delete;
+  ~VmapLevelGuard() {
+    if (active_) {
+      at::functorch::popDynamicLayerAndDeleteMetadata();
+    }
+  }
+  int64_t level() const {
+    return level_;
+  }
+  void pop() {
+    active_ = false;
+    at::functorch::popDynamicLayerAndDeleteMetadata();
+  }
+
+ private:
+  int64_t level_;
+  bool active_ = true;
+};
+
+} // namespace torch_autobatch::functorch

@@ -1,0 +1,66 @@
+// The grad node of a torch_autobatch operator (autograd.cpp).
+#pragma once
+
+#include "autobatch.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+namespace torch_autobatch {
+
+// The op's grad node at one autograd level: a functorch Grad level, or the
+// base. Its backward calls the user's backward, re-entering the vmap levels
+// (`frames`) that were above the node's level in the forward, so a backward
+// written for one example runs batched (NOTE [Free batching rule]).
+//
+// Made in three steps, so that outputs have their history before the user's
+// setup_context runs (it may compute saved tensors from them):
+//   auto node = make_intrusive<CustomOpNode>(...); node->set_history(outputs);
+//   ctx = call_setup_context(...); node->save(ctx, saved);
+class CustomOpNode final : public torch::autograd::Node {
+ public:
+  // `inputs`: flat tensor inputs at the node's level (undefined where an input
+  // has no edge there); `logical_inputs`: the same inputs as the user's
+  // backward sees them (batched), to check its gradients against.
+  CustomOpNode(
+      std::shared_ptr<OpState> state,
+      std::vector<Slot> arg_slots,
+      std::vector<Slot> ret_slots,
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& logical_inputs,
+      std::vector<VmapFrame> frames);
+
+  std::string name() const override {
+    return state_->node_name;
+  }
+  // Undefined or non-differentiable outputs get no edge; their gradient is None.
+  void set_history(const std::vector<at::Tensor>& outputs);
+  // Takes the saved tensors (at the node's level). Requires the GIL.
+  void save(py::handle ctx, const std::vector<at::Tensor>& saved);
+  std::vector<VmapFrame>& frames() {
+    return frames_;
+  }
+
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& grads) override;
+  void release_variables() override;
+
+ private:
+  py::tuple wrap_grads(const torch::autograd::variable_list& grads) const;
+  torch::autograd::variable_list unwrap_input_grads(py::handle result) const;
+  at::Tensor check_input_grad(py::handle grad, size_t edge, size_t arg) const;
+  [[noreturn]] void fail_backward(const std::string& what) const;
+
+  std::shared_ptr<OpState> state_;
+  std::vector<Slot> arg_slots_; // schema arguments -> next edges
+  std::vector<Slot> ret_slots_; // schema returns -> node inputs
+  std::vector<torch::autograd::TypeAndSize> logical_meta_; // per next edge
+  std::vector<VmapFrame> frames_; // outermost first
+  std::vector<bool> differentiable_; // per node input
+  std::vector<at::Tensor> outputs_for_saving_; // cleared by save()
+  std::vector<torch::autograd::SavedVariable> saved_;
+  PyRef ctx_;
+  bool released_ = false;
+};
+
+} // namespace torch_autobatch

@@ -1,0 +1,370 @@
+"""vmap of torch_autobatch ops: the free batching rule (issue: free batching rule).
+
+Every op here has a backward that is deliberately 2x the true derivative; the
+oracle is the same math as a plain function whose derivative is 2x, under the
+same transform, and a per-example loop for vmap itself.
+"""
+
+import warnings
+from typing import Optional
+
+import torch
+from torch.func import grad, jacrev, vjp, vmap
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_autobatch
+
+CALLS = {"f": 0, "two": 0, "rule": 0}
+
+
+def twice(y: torch.Tensor) -> torch.Tensor:
+    """y with a derivative 2x the true one."""
+    return y.detach() + 2 * (y - y.detach())
+
+
+# f(x, y) = sin(x) * y + x.sum(-1, keepdim=True): the DESIGN.md op.
+@torch_autobatch.custom_op("tab_vmap::f", mutates_args=())
+def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    CALLS["f"] += 1
+    return torch.sin(x) * y + x.sum(-1, keepdim=True)
+
+
+def _f_setup(ctx, inputs, output):
+    x, y = inputs
+    ctx.save_for_backward(x, y)
+
+
+def _f_backward(ctx, g):
+    x, y = ctx.saved_tensors
+    gx = g * y * torch.cos(x) + g.sum(-1, keepdim=True).expand_as(x)
+    gy = g * torch.sin(x)
+    return 2 * gx, 2 * gy
+
+
+f.register_autograd(_f_backward, setup_context=_f_setup)
+
+
+def f_ref(x, y):
+    return twice(torch.sin(x) * y + x.sum(-1, keepdim=True))
+
+
+# Two outputs, a float argument, an optional tensor.
+@torch_autobatch.custom_op("tab_vmap::two", mutates_args=())
+def two(
+    x: torch.Tensor, scale: float, bias: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    CALLS["two"] += 1
+    a = torch.tanh(x) * scale
+    if bias is not None:
+        a = a + bias
+    return a, x.exp()
+
+
+def _two_setup(ctx, inputs, output):
+    x, scale, bias = inputs
+    ctx.save_for_backward(x, output[1])
+    ctx.scale = scale
+
+
+def _two_backward(ctx, ga, gb):
+    x, ex = ctx.saved_tensors
+    gx = ga * ctx.scale * (1 - torch.tanh(x) ** 2) + gb * ex
+    return 2 * gx, None, 2 * ga if ctx.needs_input_grad[2] else None
+
+
+two.register_autograd(_two_backward, setup_context=_two_setup)
+
+
+def two_ref(x, scale, bias):
+    a = torch.tanh(x) * scale
+    if bias is not None:
+        a = a + bias
+    return twice(a), twice(x.exp())
+
+
+# Draws random numbers inside the composite.
+@torch_autobatch.custom_op("tab_vmap::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.rand_like(x)
+
+
+# Cannot be batched by running it once.
+@torch_autobatch.custom_op("tab_vmap::unbatchable", mutates_args=())
+def unbatchable(x: torch.Tensor) -> torch.Tensor:
+    return x * x.sum().item()
+
+
+@torch_autobatch.custom_op("tab_vmap::looped", mutates_args=(), vmap="loop")
+def looped(x: torch.Tensor) -> torch.Tensor:
+    return x * x.sum().item()
+
+
+def _looped_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _looped_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    # d/dx_i (x_i * s) with s = sum(x) treated as a constant (it went through
+    # .item()), doubled. Written with torch ops so that vmap(grad(looped))
+    # can batch it: vmap="loop" loops the forward only.
+    return 2 * g * x.sum()
+
+
+looped.register_autograd(_looped_backward, setup_context=_looped_setup)
+
+
+# A user batching rule overrides the automatic one.
+@torch_autobatch.custom_op("tab_vmap::ruled", mutates_args=())
+def ruled(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x)
+
+
+@ruled.register_vmap
+def _ruled_rule(info, in_dims, x):
+    CALLS["rule"] += 1
+    return torch.sin(x), in_dims[0]
+
+
+ruled.register_autograd(lambda ctx, g: 2 * g * torch.cos(ctx.saved_tensors[0]),
+                        setup_context=lambda ctx, inputs, out: ctx.save_for_backward(inputs[0]))
+
+
+def loop(fn, *args, in_dims=0):
+    """The per-example oracle for vmap(fn)(*args)."""
+    if not isinstance(in_dims, tuple):
+        in_dims = (in_dims,) * len(args)
+    size = next(a.size(d) for a, d in zip(args, in_dims) if d is not None)
+    outs = [
+        fn(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
+        for i in range(size)
+    ]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(o) for o in zip(*outs))
+    return torch.stack(outs)
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+class TestVmap(TestCase):
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+        self._warnings = warnings.catch_warnings(record=True)
+        self.caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+
+    def tearDown(self):
+        self._warnings.__exit__(None, None, None)
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+        for w in self.caught:
+            self.assertNotIn("performance drop", str(w.message))
+        super().tearDown()
+
+    def assertRunsOnce(self, key, fn):
+        CALLS[key] = 0
+        out = fn()
+        self.assertEqual(CALLS[key], 1, msg=f"{key} ran {CALLS[key]} times")
+        return out
+
+    # ----------------------------------------------------------- forward
+    @parametrize(
+        "in_dims",
+        [0, 1, -1, (0, None), (None, 0), (1, 0), (-2, None)],
+        name_fn=lambda d: str(d).replace(" ", ""),
+    )
+    def test_in_dims(self, in_dims):
+        x, y = randn(4, 4), randn(4, 4)
+        got = self.assertRunsOnce("f", lambda: vmap(f, in_dims=in_dims)(x, y))
+        self.assertEqual(got, loop(f, x, y, in_dims=in_dims))
+        self.assertEqual(got, vmap(f_ref, in_dims=in_dims)(x, y))
+
+    def test_nested_in_dims_and_kwargs(self):
+        x, b = randn(4, 3), randn(3)
+
+        def fn(inputs, scale):
+            x, bias = inputs
+            return two(x, scale, bias=bias)
+
+        got = self.assertRunsOnce(
+            "two", lambda: vmap(fn, in_dims=((0, None), None))((x, b), 0.5)
+        )
+        self.assertEqual(got, loop(lambda x: two(x, 0.5, b), x))
+
+    def test_out_dims_and_chunk_size(self):
+        x, y = randn(6, 4), randn(6, 4)
+        got = vmap(f, out_dims=1)(x, y)
+        self.assertEqual(got, loop(f, x, y).movedim(0, 1))
+        CALLS["f"] = 0
+        got = vmap(f, chunk_size=2)(x, y)
+        self.assertEqual(CALLS["f"], 3)  # once per chunk
+        self.assertEqual(got, loop(f, x, y))
+
+    def test_several_outputs_some_unused(self):
+        x, b = randn(4, 3), randn(4, 3)
+        a, e = self.assertRunsOnce("two", lambda: vmap(two, in_dims=(0, None, 0))(x, 2.0, b))
+        ra, re = loop(lambda x, b: two(x, 2.0, b), x, b)
+        self.assertEqual(a, ra)
+        self.assertEqual(e, re)
+
+        g = vmap(grad(lambda x: two(x, 2.0, None)[1].sum()))(x)
+        self.assertEqual(g, vmap(grad(lambda x: two_ref(x, 2.0, None)[1].sum()))(x))
+
+    def test_vmap_vmap(self):
+        x, y = randn(2, 3, 4), randn(2, 3, 4)
+        got = self.assertRunsOnce("f", lambda: vmap(vmap(f))(x, y))
+        self.assertEqual(got, loop(lambda x, y: loop(f, x, y), x, y))
+        # outer product: x batched by the outer vmap, y by the inner one
+        xs, ys = randn(2, 4), randn(3, 4)
+        got = vmap(vmap(f, in_dims=(None, 0)), in_dims=(0, None))(xs, ys)
+        self.assertEqual(got, torch.stack([torch.stack([f(a, b) for b in ys]) for a in xs]))
+
+    def test_randomness(self):
+        x = torch.zeros(4, 3)
+        different = vmap(noisy, randomness="different")(x)
+        self.assertFalse(torch.equal(different[0], different[1]))
+        same = vmap(noisy, randomness="same")(x)
+        self.assertEqual(same[0], same[1])
+        with self.assertRaisesRegex(RuntimeError, "randomness"):
+            vmap(noisy, randomness="error")(x)
+
+    def test_unbatched_inputs_redispatch(self):
+        # Nothing batched at this level: plain call, no batching of the op.
+        x, y = randn(4), randn(4)
+        got = vmap(lambda b: f(x, y) + b)(randn(3, 1))
+        self.assertEqual(got.shape, (3, 4))
+
+    # ------------------------------------------------------- reverse mode
+    def test_vmap_grad_per_sample(self):
+        x, w = randn(5, 4), randn(4)
+        for argnums in (0, 1):
+            loss = lambda x, w: f(x, w).sum()  # noqa: E731
+            ref = lambda x, w: f_ref(x, w).sum()  # noqa: E731
+            got = vmap(grad(loss, argnums=argnums), in_dims=(0, None))(x, w)
+            self.assertEqual(got, vmap(grad(ref, argnums=argnums), in_dims=(0, None))(x, w))
+            self.assertEqual(got, loop(grad(ref, argnums=argnums), x, w, in_dims=(0, None)))
+
+    def test_grad_vmap(self):
+        x, w = randn(5, 4), randn(4)
+        for argnums in (0, 1):
+            loss = lambda x, w: vmap(f, in_dims=(0, None))(x, w).pow(2).sum()  # noqa: E731
+            ref = lambda x, w: vmap(f_ref, in_dims=(0, None))(x, w).pow(2).sum()  # noqa: E731
+            got = self.assertRunsOnce("f", lambda: grad(loss, argnums=argnums)(x, w))
+            self.assertEqual(got, grad(ref, argnums=argnums)(x, w))
+
+    def test_vmap_vjp(self):
+        x, y, ct = randn(5, 4), randn(5, 4), randn(5, 4)
+
+        def vjp_of(fn):
+            return lambda x, y, ct: vjp(fn, x, y)[1](ct)
+
+        self.assertEqual(vmap(vjp_of(f))(x, y, ct), vmap(vjp_of(f_ref))(x, y, ct))
+
+    def test_jacrev_vmap_and_vmap_jacrev(self):
+        x, y = randn(3, 4), randn(3, 4)
+        self.assertEqual(vmap(jacrev(f))(x, y), vmap(jacrev(f_ref))(x, y))
+        self.assertEqual(jacrev(vmap(f))(x, y), jacrev(vmap(f_ref))(x, y))
+        self.assertEqual(
+            jacrev(vmap(f), argnums=1)(x, y), jacrev(vmap(f_ref), argnums=1)(x, y)
+        )
+
+    def test_vmap_vmap_grad_and_grad_vmap_vmap(self):
+        x, y = randn(2, 3, 4), randn(2, 3, 4)
+        loss = lambda x, y: f(x, y).pow(2).sum()  # noqa: E731
+        ref = lambda x, y: f_ref(x, y).pow(2).sum()  # noqa: E731
+        self.assertEqual(vmap(vmap(grad(loss)))(x, y), vmap(vmap(grad(ref)))(x, y))
+        got = self.assertRunsOnce(
+            "f", lambda: grad(lambda x: vmap(vmap(f))(x, y).pow(2).sum())(x)
+        )
+        self.assertEqual(got, grad(lambda x: vmap(vmap(f_ref))(x, y).pow(2).sum())(x))
+
+    def test_hessian_of_vmapped(self):
+        x, w = randn(6), randn(3)
+        loss = lambda x: vmap(f, in_dims=(0, None))(x.view(2, 3), w).pow(2).sum()  # noqa: E731
+        ref = lambda x: vmap(f_ref, in_dims=(0, None))(x.view(2, 3), w).pow(2).sum()  # noqa: E731
+        self.assertEqual(jacrev(jacrev(loss))(x), jacrev(jacrev(ref))(x))
+
+    def test_backward_of_vmap_on_leaves(self):
+        x, y = randn(5, 4), randn(5, 4)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [y.clone().requires_grad_() for _ in range(2)]
+        self.assertRunsOnce("f", lambda: vmap(f)(xs[0], ys[0]).pow(2).sum().backward())
+        vmap(f_ref)(xs[1], ys[1]).pow(2).sum().backward()
+        self.assertEqual(xs[0].grad, xs[1].grad)
+        self.assertEqual(ys[0].grad, ys[1].grad)
+        # vmap(vmap(op)) on leaves: one node at the base re-entering both levels
+        x3 = randn(2, 3, 4)
+        a, b = x3.clone().requires_grad_(), x3.clone().requires_grad_()
+        vmap(vmap(f, in_dims=(0, None)), in_dims=(0, None))(a, y[0]).sum().backward()
+        vmap(vmap(f_ref, in_dims=(0, None)), in_dims=(0, None))(b, y[0]).sum().backward()
+        self.assertEqual(a.grad, b.grad)
+
+    def test_double_backward_through_vmap(self):
+        x, w = randn(5, 4), randn(4)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (ga,) = torch.autograd.grad(
+            vmap(f, in_dims=(0, None))(xa, w).pow(2).sum(), xa, create_graph=True
+        )
+        (gb,) = torch.autograd.grad(
+            vmap(f_ref, in_dims=(0, None))(xb, w).pow(2).sum(), xb, create_graph=True
+        )
+        self.assertEqual(ga, gb)
+        self.assertEqual(torch.autograd.grad(ga.sum(), xa)[0], torch.autograd.grad(gb.sum(), xb)[0])
+
+    # ---------------------------------------------- rules and fallbacks
+    def test_register_vmap_overrides(self):
+        x = randn(4, 3)
+        CALLS["rule"] = 0
+        self.assertEqual(vmap(ruled)(x), torch.sin(x))
+        self.assertEqual(CALLS["rule"], 1)
+        # the registered (2x) backward still governs gradients
+        g = vmap(grad(lambda x: ruled(x).sum()))(x)
+        self.assertEqual(g, 2 * torch.cos(x))
+        xl = x.clone().requires_grad_()
+        vmap(ruled)(xl).sum().backward()
+        self.assertEqual(xl.grad, 2 * torch.cos(x))
+
+    def test_unbatchable_composite_error(self):
+        with self.assertRaisesRegex(RuntimeError, "tab_vmap::unbatchable") as cm:
+            vmap(unbatchable)(randn(3, 2))
+        msg = str(cm.exception)
+        self.assertIn(".item()", msg)
+        self.assertIn("unbatchable.register_vmap(rule)", msg)
+        self.assertIn('vmap="loop"', msg)
+
+    def test_loop_mode_values_and_grads(self):
+        x = randn(4, 3)
+        self.assertEqual(vmap(looped)(x), loop(looped, x))
+        xa = x.clone().requires_grad_()
+        vmap(looped)(xa).sum().backward()
+        self.assertEqual(xa.grad, 2 * x.sum(-1, keepdim=True).expand_as(x))
+        self.assertEqual(
+            vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x)
+        )
+
+    def test_user_exception_in_composite_propagates(self):
+        class MyError(Exception):
+            pass
+
+        @torch_autobatch.custom_op("tab_vmap::raises", mutates_args=())
+        def raises(x: torch.Tensor) -> torch.Tensor:
+            raise MyError("boom")
+
+        with self.assertRaisesRegex(MyError, "boom"):
+            vmap(raises)(randn(3, 2))
+        self.assertIsNone(torch._C._functorch.maybe_current_level())
+        self.assertTrue(torch.is_grad_enabled())
+
+
+instantiate_parametrized_tests(TestVmap)
+
+if __name__ == "__main__":
+    run_tests()
