@@ -165,10 +165,11 @@ void CustomOpNode::save(py::handle ctx, const std::vector<at::Tensor>& saved) {
 }
 
 void CustomOpNode::release_variables() {
+  // Like autograd.Function: only saved tensors are freed (a second backward
+  // through a node that saved none is fine); ctx's attributes stay.
   std::lock_guard<std::mutex> lock(mutex_);
-  released_ = true;
+  released_ = released_ || !saved_.empty();
   saved_.clear();
-  ctx_.reset();
 }
 
 variable_list CustomOpNode::apply(variable_list&& grads) {
@@ -302,7 +303,8 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
     }
     if (s.count == 0 && !s.is_list) {
       fail_backward(
-          "returned a " + std::string(py::str(py::type::of(g).attr("__name__"))) +
+          "returned a value of type " +
+          std::string(py::str(py::type::of(g).attr("__name__"))) +
           " for input '" + arg_names[a] +
           "', which is not a Tensor (or was None). Return None for it.");
     }
@@ -332,7 +334,8 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
   const std::string& arg_name = state_->arg_names[arg];
   if (!THPVariable_Check(grad.ptr())) {
     fail_backward(
-        "returned a " + std::string(py::str(py::type::of(grad).attr("__name__"))) +
+        "returned a value of type " +
+        std::string(py::str(py::type::of(grad).attr("__name__"))) +
         " as the gradient of input '" + arg_name + "'; expected a Tensor or None.");
   }
   const at::Tensor& g = THPVariable_Unpack(grad.ptr());
@@ -363,6 +366,20 @@ void check_no_aliasing(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs) {
   for (size_t o = 0; o < outputs.size(); ++o) {
+    for (size_t p = 0; p < o; ++p) {
+      TORCH_CHECK(
+          !aliases(outputs[o], outputs[p]),
+          "torch_autobatch: ",
+          state.qualname,
+          " returned outputs ",
+          p,
+          " and ",
+          o,
+          " that alias each other (share memory), which its schema `",
+          schema,
+          "` does not declare. Return distinct tensors: e.g. `y, y.clone()` "
+          "instead of `y, y`.");
+    }
     for (const auto& in : inputs) {
       TORCH_CHECK(
           !aliases(outputs[o], in),

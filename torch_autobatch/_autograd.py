@@ -31,7 +31,7 @@ class BackwardContext:
         for i, t in enumerate(tensors):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(
-                    f"ctx.save_for_backward: argument {i} is a {type(t).__name__}; "
+                    f"ctx.save_for_backward: argument {i} is of type {type(t).__name__}; "
                     f"it saves tensors or None only. Store other values as "
                     f"attributes instead (ctx.name = value)."
                 )

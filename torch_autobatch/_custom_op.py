@@ -253,6 +253,13 @@ def _check_functional(qualname: str, mutates_args: Any, schema: str) -> None:
             f"tensors instead of mutating inputs, and pass mutates_args=()."
         )
     parsed = torch._C.parse_schema(qualname + schema)
+    for arg in parsed.arguments:
+        if str(arg.type) == "List[Optional[Tensor]]":
+            raise NotImplementedError(
+                f"torch_autobatch.custom_op({qualname!r}): argument {arg.name!r} has "
+                f"type {arg.type}, which is not supported yet. Use list[Tensor] "
+                f"or separate Optional[Tensor] arguments."
+            )
     if parsed.is_mutable or any(
         a.alias_info is not None for a in list(parsed.arguments) + list(parsed.returns)
     ):
