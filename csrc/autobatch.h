@@ -74,6 +74,7 @@ struct OpState {
   // of each kernel: _setup_autograd (forward) and _run_backward (backward).
   PyRef opdef;
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
+  std::atomic<bool> has_jvp{false}; // register_jvp was called
 };
 
 // Where the tensors of one schema argument (or return) sit in a flat list of

@@ -89,26 +89,6 @@ bool aliases(const at::Tensor& a, const at::Tensor& b) {
   return pa.has_storage() && pb.has_storage() && pa.is_alias_of(pb);
 }
 
-// Gives `g` (a gradient one vmap level down) the batch layout of its input:
-// batch dimension at `want` (or none), from `have`.
-at::Tensor match_bdim(
-    at::Tensor g,
-    std::optional<int64_t> have,
-    std::optional<int64_t> want,
-    const c10::SymInt& batch_size) {
-  if (!want) {
-    // The input was the same for every example: its gradient is their sum.
-    return have ? g.sum(*have) : g;
-  }
-  if (!have) {
-    g = g.unsqueeze(*want);
-    auto sizes = g.sym_sizes().vec();
-    sizes[*want] = batch_size;
-    return g.expand_symint(sizes);
-  }
-  return *have == *want ? g : g.movedim(*have, *want);
-}
-
 } // namespace
 
 CustomOpNode::CustomOpNode(
@@ -241,7 +221,7 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
     levels.pop_back();
     for (size_t i = 0; i < out.size(); ++i) {
       if (out[i].defined()) {
-        out[i] = match_bdim(out[i], have[i], f.in_bdims[i], f.batch_size);
+        out[i] = functorch::match_bdim(out[i], have[i], f.in_bdims[i], f.batch_size);
       }
     }
   }
@@ -436,15 +416,51 @@ py::object call_setup_context(
 
 namespace {
 
-[[noreturn]] void fail_forward_mode(const OpState& state) {
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      false,
-      "torch_autobatch: forward-mode AD (torch.func.jvp, jacfwd, hessian's "
-      "jacfwd, torch.autograd.forward_ad dual tensors) through ",
-      state.qualname,
-      " is not supported yet. It raises rather than return zero tangents, "
-      "which would be silently wrong. Use reverse mode (torch.func.grad, vjp, "
-      "jacrev) for this op.");
+// Replaces each tensor that has a tangent by a view of it without one.
+c10::IValue strip_tangent(const c10::IValue& v) {
+  auto strip = [](const at::Tensor& t) {
+    return torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
+  };
+  if (v.isTensor()) {
+    return strip(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) {
+      out.push_back(strip(t));
+    }
+    return out;
+  }
+  return v;
+}
+
+// The tangent of `v` for the user's jvp: Tensor or None, a list for a list.
+py::object tangent_of(const c10::IValue& v) {
+  auto wrap = [](const at::Tensor& t) -> py::object {
+    if (!torch::autograd::isFwGradDefined(t)) {
+      return py::none();
+    }
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t._fw_grad(0)));
+  };
+  if (v.isTensor()) {
+    return wrap(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    py::list l;
+    for (const at::Tensor& t : v.toTensorList()) {
+      l.append(wrap(t));
+    }
+    return l;
+  }
+  return py::none();
+}
+
+py::tuple to_py_tuple(c10::ArrayRef<c10::IValue> values) {
+  py::tuple out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    out[i] = torch::jit::toPyObject(values[i]);
+  }
+  return out;
 }
 
 class AutogradKernel final : public c10::OperatorKernel {
@@ -466,7 +482,8 @@ class AutogradKernel final : public c10::OperatorKernel {
     bool any_requires_grad = false;
     for (const auto& t : inputs) {
       if (torch::autograd::isFwGradDefined(t)) {
-        fail_forward_mode(*state_);
+        forward_mode(op, ks, stack);
+        return;
       }
       any_requires_grad |= t.defined() && t.requires_grad();
     }
@@ -506,6 +523,130 @@ class AutogradKernel final : public c10::OperatorKernel {
   }
 
  private:
+  // NOTE [Forward mode]
+  // An input has a tangent (jvp, jacfwd, forward_ad): the primal outputs come
+  // from the op itself on the inputs without their tangents (this kernel
+  // again, so the reverse-mode node and batching are as usual); the output
+  // tangents come from the registered jvp, or, when none is registered, from
+  // forward-mode AD of the op's own function (run again, above autograd, on
+  // the dual inputs). Each runs at this level, so outer levels differentiate
+  // the tangent computation itself (jvp(jvp), grad(jvp), jacfwd(jacrev)).
+  void forward_mode(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet ks,
+      torch::jit::Stack* stack) const {
+    const auto& schema = op.schema();
+    const size_t num_args = schema.arguments().size();
+    const size_t num_returns = schema.returns().size();
+    std::vector<c10::IValue> args(
+        stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
+    torch::jit::drop(*stack, num_args);
+    std::vector<c10::IValue> primal_args;
+    primal_args.reserve(num_args);
+    std::vector<bool> needs_input_grad(num_args);
+    for (size_t a = 0; a < num_args; ++a) {
+      primal_args.push_back(strip_tangent(args[a]));
+      needs_input_grad[a] = requires_grad(args[a]);
+    }
+    torch::jit::Stack call(primal_args.begin(), primal_args.end());
+    op.redispatchBoxed(ks, &call);
+
+    std::vector<at::Tensor> outputs;
+    auto ret_slots = flatten_tensors(call, outputs);
+    std::vector<at::Tensor> tangents(outputs.size());
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        const py::handle opdef = state_->opdef.get();
+        if (state_->has_jvp.load()) {
+          py::tuple py_tangents(num_args);
+          for (size_t a = 0; a < num_args; ++a) {
+            py_tangents[a] = tangent_of(args[a]);
+          }
+          py::tuple py_needs(num_args);
+          for (size_t a = 0; a < num_args; ++a) {
+            py_needs[a] = py::bool_(needs_input_grad[a]);
+          }
+          py::tuple result = opdef.attr("_run_jvp")(
+              to_py_tuple(primal_args), to_py_tuple(call), py_tangents, py_needs);
+          for (size_t r = 0; r < num_returns; ++r) {
+            const Slot& s = ret_slots[r];
+            py::handle t = result[r];
+            if (t.is_none()) {
+              continue;
+            }
+            if (!s.is_list) {
+              tangents[s.first] = check_tangent(t, outputs, s.first, r);
+              continue;
+            }
+            auto seq = py::reinterpret_borrow<py::sequence>(t);
+            for (size_t k = 0; k < s.count; ++k) {
+              if (!seq[k].is_none()) {
+                tangents[s.first + k] = check_tangent(seq[k], outputs, s.first + k, r);
+              }
+            }
+          }
+        } else {
+          py::tuple result = opdef.attr("_composite_tangents")(to_py_tuple(args));
+          for (size_t k = 0; k < outputs.size(); ++k) {
+            if (!result[k].is_none()) {
+              tangents[k] = THPVariable_Unpack(result[k].ptr());
+            }
+          }
+        }
+      } catch (py::error_already_set& e) {
+        rethrow_python_error(e);
+      }
+    }
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      if (tangents[k].defined() && outputs[k].defined() &&
+          torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
+        outputs[k]._set_fw_grad(tangents[k], /*level=*/0, /*is_inplace_op=*/false);
+      }
+    }
+    for (auto& v : call) {
+      torch::jit::push(*stack, std::move(v));
+    }
+  }
+
+  at::Tensor check_tangent(
+      py::handle tangent,
+      const std::vector<at::Tensor>& outputs,
+      size_t k,
+      size_t ret) const {
+    auto fail = [&](const std::string& what) {
+      std::string fn = py::str(state_->opdef.get().attr("_jvp_fn_name"));
+      TORCH_CHECK(
+          false, "torch_autobatch: the jvp of ", state_->qualname, " (", fn,
+          ") ", what);
+    };
+    if (!THPVariable_Check(tangent.ptr())) {
+      fail(
+          "returned a value of type " +
+          std::string(py::str(py::type::of(tangent).attr("__name__"))) +
+          " as the tangent of output " + std::to_string(ret) +
+          "; expected a Tensor or None.");
+    }
+    const at::Tensor& t = THPVariable_Unpack(tangent.ptr());
+    const at::Tensor& out = outputs[k];
+    if (!t.sym_sizes().equals(out.sym_sizes())) {
+      std::ostringstream msg;
+      msg << "returned a tangent of shape " << t.sym_sizes() << " for output " << ret
+          << ", which has shape " << out.sym_sizes()
+          << ". Return a tangent of the output's shape.";
+      fail(msg.str());
+    }
+    if (t.scalar_type() != out.scalar_type()) {
+      std::ostringstream msg;
+      msg << "returned a tangent of dtype " << t.scalar_type() << " for output " << ret
+          << ", which has dtype " << out.scalar_type()
+          << ". Cast it with .to(output.dtype).";
+      fail(msg.str());
+    }
+    // A tangent computed from the dual inputs would itself carry a tangent.
+    return torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
+  }
+
   static bool requires_grad(const c10::IValue& v) {
     if (v.isTensor()) {
       return v.toTensor().requires_grad();

@@ -22,6 +22,8 @@
 #include "functorch.h"
 #include "grad_node.h"
 
+#include <torch/csrc/autograd/functions/utils.h>
+
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -124,6 +126,13 @@ class BatchedKernel final : public c10::OperatorKernel {
     std::vector<c10::IValue> saved_args(args.begin(), args.end());
     {
       c10::AutoGradMode no_grad(false);
+      // NOTE [Forward mode under vmap]: with a registered jvp, tangents at the
+      // Jvp levels below come from it (attach_grad_nodes), not from the
+      // composite; without one, the composite's own forward-mode AD gives them
+      // here, in the same single run.
+      c10::AutoFwGradMode no_fw_grad(
+          c10::AutogradState::get_tls_state().get_fw_grad_mode() &&
+          !state_->has_jvp.load());
       if (mode == VmapMode::Rule) {
         run_rule(op, *layer, stack);
       } else {
@@ -217,8 +226,143 @@ class BatchedKernel final : public c10::OperatorKernel {
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& outputs) const;
 
+  void set_custom_tangents(
+      int64_t level,
+      const std::vector<at::Tensor>& in,
+      const std::vector<at::Tensor>& out,
+      const std::vector<VmapFrame>& frames_inner_first,
+      const std::vector<c10::IValue>& args,
+      const std::vector<Slot>& arg_slots) const;
+
   std::shared_ptr<OpState> state_;
 };
+
+// NOTE [Forward mode under vmap]: at a Jvp level below vmap, the registered
+// jvp runs like a grad node's backward: on this level's primals and tangents,
+// re-entering the vmap levels above so it sees each example's shapes.
+void BatchedKernel::set_custom_tangents(
+    int64_t level,
+    const std::vector<at::Tensor>& in,
+    const std::vector<at::Tensor>& out,
+    const std::vector<VmapFrame>& frames_inner_first,
+    const std::vector<c10::IValue>& args,
+    const std::vector<Slot>& arg_slots) const {
+  std::vector<at::Tensor> primals(in.size());
+  std::vector<at::Tensor> tangents(in.size());
+  bool any = false;
+  for (size_t k = 0; k < in.size(); ++k) {
+    primals[k] = in[k];
+    if (in[k].defined() && functorch::is_wrapped_at(in[k], level) &&
+        torch::autograd::isFwGradDefined(in[k])) {
+      tangents[k] = in[k]._fw_grad(0);
+      primals[k] = in[k]._fw_primal(0);
+      any = true;
+    }
+  }
+  if (!any) {
+    return;
+  }
+  std::vector<at::Tensor> outs = out;
+
+  functorch::LowerToLevel lowered(level);
+  std::vector<std::unique_ptr<functorch::VmapLevelGuard>> levels;
+  for (size_t j = frames_inner_first.size(); j-- > 0;) {
+    const VmapFrame& f = frames_inner_first[j];
+    levels.push_back(std::make_unique<functorch::VmapLevelGuard>(
+        f.batch_size, static_cast<RandomnessType>(f.randomness)));
+    const int64_t lvl = levels.back()->level();
+    for (size_t k = 0; k < in.size(); ++k) {
+      if (primals[k].defined()) {
+        primals[k] = at::functorch::makeBatched(primals[k], f.in_bdims[k], lvl);
+      }
+      if (tangents[k].defined()) {
+        tangents[k] = at::functorch::makeBatched(tangents[k], f.in_bdims[k], lvl);
+      }
+    }
+    for (size_t k = 0; k < out.size(); ++k) {
+      if (outs[k].defined()) {
+        outs[k] = at::functorch::makeBatched(outs[k], f.out_bdims[k], lvl);
+      }
+    }
+  }
+
+  std::vector<at::Tensor> out_tangents(out.size());
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      auto wrap = [](const at::Tensor& t) {
+        return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+      };
+      auto rebuild = [&](const std::vector<at::Tensor>& flat, bool as_tangent) {
+        py::tuple res(args.size());
+        for (size_t a = 0; a < args.size(); ++a) {
+          const Slot& s = arg_slots[a];
+          if (s.is_list) {
+            py::list l;
+            for (size_t k = s.first; k < s.first + s.count; ++k) {
+              l.append(wrap(flat[k]));
+            }
+            res[a] = l;
+          } else if (s.count == 1) {
+            res[a] = wrap(flat[s.first]);
+          } else {
+            res[a] = as_tangent ? py::none() : torch::jit::toPyObject(args[a]);
+          }
+        }
+        return res;
+      };
+      py::tuple py_outs(outs.size());
+      for (size_t k = 0; k < outs.size(); ++k) {
+        py_outs[k] = wrap(outs[k]);
+      }
+      py::tuple needs(args.size());
+      for (size_t a = 0; a < args.size(); ++a) {
+        needs[a] = py::bool_(false);
+      }
+      py::tuple result = state_->opdef.get().attr("_run_jvp")(
+          rebuild(primals, false), py_outs, rebuild(tangents, true), needs);
+      // Flatten the tangents like the outputs (one per tensor output).
+      size_t k = 0;
+      for (py::handle r : result) {
+        if (py::isinstance<py::list>(r)) {
+          for (py::handle t : r) {
+            out_tangents[k++] = t.is_none() ? at::Tensor() : THPVariable_Unpack(t.ptr());
+          }
+        } else if (k < out_tangents.size()) {
+          out_tangents[k++] = r.is_none() ? at::Tensor() : THPVariable_Unpack(r.ptr());
+        }
+      }
+    } catch (py::error_already_set& e) {
+      rethrow_python_error(e);
+    }
+  }
+  for (size_t n = 0; n < frames_inner_first.size(); ++n) {
+    const VmapFrame& f = frames_inner_first[n];
+    const int64_t lvl = levels.back()->level();
+    std::vector<std::optional<int64_t>> have(out_tangents.size());
+    for (size_t k = 0; k < out_tangents.size(); ++k) {
+      if (out_tangents[k].defined()) {
+        std::tie(out_tangents[k], have[k]) =
+            at::functorch::unwrapTensorAtLevel(out_tangents[k], lvl);
+      }
+    }
+    levels.back()->pop();
+    levels.pop_back();
+    for (size_t k = 0; k < out_tangents.size(); ++k) {
+      if (out_tangents[k].defined()) {
+        out_tangents[k] = functorch::match_bdim(
+            out_tangents[k], have[k], f.out_bdims[k], f.batch_size);
+      }
+    }
+  }
+  for (size_t k = 0; k < out.size(); ++k) {
+    if (out_tangents[k].defined() && out[k].defined() &&
+        functorch::is_wrapped_at(out[k], level) &&
+        torch::autograd::isDifferentiableType(out[k].scalar_type())) {
+      out[k]._set_fw_grad(out_tangents[k], /*level=*/0, /*is_inplace_op=*/false);
+    }
+  }
+}
 
 void BatchedKernel::attach_grad_nodes(
     bool grad_mode,
@@ -291,6 +435,9 @@ void BatchedKernel::attach_grad_nodes(
         break;
       }
       case TransformType::Jvp:
+        if (state_->has_jvp.load()) {
+          set_custom_tangents(id, in, out, frames, args, arg_slots);
+        }
         unwrap_wrapper_level(in, id);
         unwrap_wrapper_level(out, id);
         break;

@@ -48,6 +48,59 @@ inline at::Tensor innermost(at::Tensor t) {
   }
 }
 
+// Gives `g` (a gradient or tangent one vmap level down) the batch layout of its input:
+// batch dimension at `want` (or none), from `have`.
+inline at::Tensor match_bdim(
+    at::Tensor g,
+    std::optional<int64_t> have,
+    std::optional<int64_t> want,
+    const c10::SymInt& batch_size) {
+  if (!want) {
+    // The input was the same for every example: its gradient is their sum.
+    return have ? g.sum(*have) : g;
+  }
+  if (!have) {
+    g = g.unsqueeze(*want);
+    auto sizes = g.sym_sizes().vec();
+    sizes[*want] = batch_size;
+    return g.expand_symint(sizes);
+  }
+  return *have == *want ? g : g.movedim(*have, *want);
+}
+
+// Inside a kernel of the top level: makes the stack hold only the levels up to
+// `level`, with the dispatch TLS that was in force before the top level began
+// processing this op, until the guard dies. Code run under it (that pushes
+// levels of its own) dispatches as if called from just above `level`;
+// without it the top interpreter would be entered again while it is still
+// processing (INTERNAL ASSERT on savedLocalDispatchKeySet_).
+class LowerToLevel {
+ public:
+  explicit LowerToLevel(int64_t level)
+      : saved_stack_(at::functorch::getDynamicLayerStack()),
+        saved_tls_(c10::impl::tls_local_dispatch_key_set()) {
+    std::vector<DynamicLayer> kept;
+    for (const auto& layer : saved_stack_) {
+      if (layer.layerId() <= level) {
+        kept.push_back(layer);
+      }
+    }
+    const auto outer_tls = saved_stack_.back().interpreter().getSavedLocalDispatchKeySet();
+    at::functorch::setDynamicLayerStack(kept);
+    c10::impl::_force_tls_local_dispatch_key_set(outer_tls);
+  }
+  LowerToLevel(const LowerToLevel&) = delete;
+  LowerToLevel& operator=(const LowerToLevel&) = delete;
+  ~LowerToLevel() {
+    at::functorch::setDynamicLayerStack(saved_stack_);
+    c10::impl::_force_tls_local_dispatch_key_set(saved_tls_);
+  }
+
+ private:
+  std::vector<DynamicLayer> saved_stack_;
+  c10::impl::LocalDispatchKeySet saved_tls_;
+};
+
 // Pushes a vmap level for the lifetime of the guard (exception-safe).
 class VmapLevelGuard {
  public:

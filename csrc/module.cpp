@@ -57,7 +57,11 @@ PYBIND11_MODULE(_C, m) {
             TORCH_CHECK(mode >= 0 && mode <= 2, "bad vmap mode ", mode);
             r.state->vmap_mode.store(static_cast<tab::VmapMode>(mode));
           },
-          "0: composite (default), 1: the register_vmap rule, 2: per-example loop");
+          "0: composite (default), 1: the register_vmap rule, 2: per-example loop")
+      .def(
+          "set_has_jvp",
+          [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },
+          "Whether the op has a registered jvp (register_jvp).");
   m.def(
       "_register_op",
       [](const std::string& qualname, py::object opdef) {

@@ -20,7 +20,7 @@ import torch
 from torch._library.infer_schema import infer_schema
 
 from . import _C
-from ._autograd import BackwardContext, run_backward
+from ._autograd import BackwardContext, run_backward, run_jvp
 from torch._functorch.autograd_function import VmapInfo
 
 # Batched-kernel modes (csrc/autobatch.h VmapMode) and functorch's
@@ -69,6 +69,8 @@ class CustomOpDef:
         self._backward_fn: Optional[Callable[..., Any]] = None
         self._setup_context_fn: Optional[Callable[..., Any]] = None
         self._vmap_rule: Optional[Callable[..., Any]] = None
+        self._jvp_fn: Optional[Callable[..., Any]] = None
+        self._jvp_setup_context_fn: Optional[Callable[..., Any]] = None
         self._schema = schema
 
         self._lib = torch.library.Library(namespace, "FRAGMENT")
@@ -76,6 +78,9 @@ class CustomOpDef:
         self._opoverload: torch._ops.OpOverload = getattr(
             getattr(torch.ops, namespace), name
         ).default
+        schema_args = self._opoverload._schema.arguments
+        self._kwarg_only = tuple(a.name for a in schema_args if a.kwarg_only)
+        self._num_returns = len(self._opoverload._schema.returns)
         for key in _device_keys(device_types):
             self._lib.impl(name, fn, key)
         self._lib._register_fake(name, self._fake_impl, _stacklevel=1)
@@ -140,6 +145,49 @@ class CustomOpDef:
         self._backward_fn = backward
         self._setup_context_fn = setup_context
         return backward
+
+    @overload
+    def register_jvp(
+        self, jvp: F, /, *, setup_context: Optional[Callable[..., Any]] = None
+    ) -> F: ...
+
+    @overload
+    def register_jvp(
+        self, jvp: None = None, /, *, setup_context: Optional[Callable[..., Any]] = None
+    ) -> Callable[[F], F]: ...
+
+    def register_jvp(self, jvp=None, /, *, setup_context=None):
+        """Registers the op's derivative for forward mode (``jvp``, ``jacfwd``, dual tensors).
+
+        ``jvp(ctx, *input_tangents)`` returns the output tangent(s), one per
+        output (None for a non-differentiable one). ``input_tangents`` holds
+        one entry per input: a Tensor, or None for an input without a tangent
+        (a zero tangent) and for non-tensors. ``ctx`` comes from
+        ``setup_context(ctx, inputs, output)`` given here, or else the one given
+        to :meth:`register_autograd`; ``ctx.saved_tensors`` returns what it
+        passed to ``ctx.save_for_forward`` (or else ``save_for_backward``).
+        ``inputs`` and ``output`` are primals (without tangents).
+
+        Without a registered jvp, forward mode is derived from the op's own
+        function (forward-mode AD of its torch ops): correct, never zeros.
+        Reverse mode always uses the registered backward. Returns ``jvp``.
+        """
+        if jvp is None:
+            return lambda fn: self.register_jvp(fn, setup_context=setup_context)
+        if not callable(jvp):
+            raise TypeError(
+                f"{self._qualname}.register_jvp: expected jvp to be callable, "
+                f"got {type(jvp).__name__}."
+            )
+        if setup_context is not None and not callable(setup_context):
+            raise TypeError(
+                f"{self._qualname}.register_jvp: expected setup_context to be "
+                f"callable or None, got {type(setup_context).__name__}."
+            )
+        self._jvp_fn = jvp
+        self._jvp_setup_context_fn = setup_context
+        self._registration.set_has_jvp(True)
+        return jvp
 
     def register_fake(self, fn: F, /) -> F:
         """Registers the fake (meta) implementation used by ``torch.compile`` and fake tensors.
@@ -243,6 +291,69 @@ class CustomOpDef:
     @property
     def _backward_fn_name(self) -> str:
         return _fn_name(self._backward_fn)
+
+    @property
+    def _jvp_fn_name(self) -> str:
+        return _fn_name(self._jvp_fn)
+
+    def _run_jvp(
+        self,
+        inputs: tuple[Any, ...],
+        outputs: tuple[Any, ...],
+        tangents: tuple[Any, ...],
+        needs_input_grad: tuple[bool, ...],
+    ) -> tuple[Any, ...]:
+        ctx = BackwardContext(needs_input_grad)
+        setup = self._jvp_setup_context_fn or self._setup_context_fn
+        if setup is not None:
+            setup(ctx, inputs, outputs[0] if self._num_returns == 1 else outputs)
+        result = run_jvp(self._jvp_fn, ctx, tangents)
+        if self._num_returns == 1 and not isinstance(result, tuple):
+            result = (result,)
+        if not isinstance(result, tuple) or len(result) != self._num_returns:
+            got = f"{len(result)} tangent(s)" if isinstance(result, tuple) else type(result).__name__
+            raise RuntimeError(
+                f"torch_autobatch: the jvp of {self._qualname} ({self._jvp_fn_name}) "
+                f"returned {got}, but the op has {self._num_returns} output(s). Return "
+                f"one tangent per output (a tuple for several), None for "
+                f"non-differentiable ones."
+            )
+        return result
+
+    def _composite_tangents(self, args: tuple[Any, ...]) -> tuple[Optional[torch.Tensor], ...]:
+        """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
+        n = len(args) - len(self._kwarg_only)
+        try:
+            out = self._init_fn(*args[:n], **dict(zip(self._kwarg_only, args[n:])))
+        except (RuntimeError, NotImplementedError) as e:
+            if "forward" not in str(e).lower():
+                raise
+            raise type(e)(
+                f"torch_autobatch: forward-mode AD through {self._qualname} needs the "
+                f"forward-mode derivative of its function, which failed: {e}\n"
+                f"Register a jvp with {self._name}.register_jvp(jvp)."
+            ) from e
+        outs = out if isinstance(out, tuple) else (out,)
+        flat = [t for o in outs for t in (o if isinstance(o, list) else (o,))]
+        tangents = tuple(_tangent(t) for t in flat)
+        if all(t is None for t in tangents) and any(
+            isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+            for t in flat
+        ):
+            raise RuntimeError(
+                f"torch_autobatch: forward-mode AD through {self._qualname} got no "
+                f"tangent from its function: it is not differentiable in forward mode "
+                f"(it leaves torch, e.g. through .numpy() or .item(), or detaches). "
+                f"Returning zeros would be silently wrong. Register a jvp with "
+                f"{self._name}.register_jvp(jvp)."
+            )
+        return tangents
+
+
+def _tangent(t: Any) -> Optional[torch.Tensor]:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return torch.autograd.forward_ad.unpack_dual(t, level=0).tangent
 
 
 def _check_functional(qualname: str, mutates_args: Any, schema: str) -> None:
