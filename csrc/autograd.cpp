@@ -480,16 +480,14 @@ class AutogradKernel final : public c10::OperatorKernel {
     std::vector<at::Tensor> inputs;
     auto arg_slots = flatten_tensors(args, inputs);
     bool any_requires_grad = false;
+    bool any_tangent = false;
     for (const auto& t : inputs) {
-      if (torch::autograd::isFwGradDefined(t)) {
-        forward_mode(op, ks, stack);
-        return;
-      }
+      any_tangent |= torch::autograd::isFwGradDefined(t);
       any_requires_grad |= t.defined() && t.requires_grad();
     }
     const bool needs_node = any_requires_grad && c10::GradMode::is_enabled();
     std::vector<c10::IValue> saved_args;
-    if (needs_node) {
+    if (needs_node || any_tangent) {
       saved_args.assign(args.begin(), args.end());
     }
 
@@ -499,113 +497,102 @@ class AutogradKernel final : public c10::OperatorKernel {
       op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
     }
 
+    const auto returns = torch::jit::last(*stack, num_returns);
     std::vector<at::Tensor> outputs;
-    auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
+    auto ret_slots = flatten_tensors(returns, outputs);
     check_no_aliasing(*state_, schema, inputs, outputs);
-    if (!needs_node) {
+    if (!needs_node && !any_tangent) {
       return;
     }
 
-    auto node = c10::make_intrusive<CustomOpNode>(
-        state_, std::move(arg_slots), std::move(ret_slots), inputs, inputs,
-        std::vector<VmapFrame>{});
-    node->set_history(outputs);
-    std::vector<bool> needs_input_grad(num_args, false);
-    for (size_t a = 0; a < num_args; ++a) {
-      needs_input_grad[a] = requires_grad(saved_args[a]);
+    c10::intrusive_ptr<CustomOpNode> node;
+    if (needs_node) {
+      node = c10::make_intrusive<CustomOpNode>(
+          state_, std::move(arg_slots), ret_slots, inputs, inputs,
+          std::vector<VmapFrame>{});
+      node->set_history(outputs);
     }
     py::gil_scoped_acquire gil;
-    std::vector<at::Tensor> saved;
-    py::object ctx = call_setup_context(
-        *state_, saved_args, torch::jit::last(*stack, num_returns),
-        needs_input_grad, saved);
-    node->save(ctx, saved);
+    if (any_tangent) {
+      // Before the node saves anything: a saved output keeps its tangent.
+      set_tangents(saved_args, returns, ret_slots, outputs);
+    }
+    if (node) {
+      std::vector<bool> needs_input_grad(num_args, false);
+      for (size_t a = 0; a < num_args; ++a) {
+        needs_input_grad[a] = requires_grad(saved_args[a]);
+      }
+      std::vector<at::Tensor> saved;
+      py::object ctx = call_setup_context(
+          *state_, saved_args, returns, needs_input_grad, saved);
+      node->save(ctx, saved);
+    }
   }
 
  private:
   // NOTE [Forward mode]
   // An input has a tangent (jvp, jacfwd, forward_ad): the primal outputs come
-  // from the op itself on the inputs without their tangents (this kernel
-  // again, so the reverse-mode node and batching are as usual); the output
-  // tangents come from the registered jvp, or, when none is registered, from
-  // forward-mode AD of the op's own function (run again, above autograd, on
-  // the dual inputs). Each runs at this level, so outer levels differentiate
-  // the tangent computation itself (jvp(jvp), grad(jvp), jacfwd(jacrev)).
-  void forward_mode(
-      const c10::OperatorHandle& op,
-      c10::DispatchKeySet ks,
-      torch::jit::Stack* stack) const {
-    const auto& schema = op.schema();
-    const size_t num_args = schema.arguments().size();
-    const size_t num_returns = schema.returns().size();
-    std::vector<c10::IValue> args(
-        stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
-    torch::jit::drop(*stack, num_args);
-    std::vector<c10::IValue> primal_args;
-    primal_args.reserve(num_args);
-    std::vector<bool> needs_input_grad(num_args);
-    for (size_t a = 0; a < num_args; ++a) {
-      primal_args.push_back(strip_tangent(args[a]));
-      needs_input_grad[a] = requires_grad(args[a]);
-    }
-    torch::jit::Stack call(primal_args.begin(), primal_args.end());
-    op.redispatchBoxed(ks, &call);
-
-    std::vector<at::Tensor> outputs;
-    auto ret_slots = flatten_tensors(call, outputs);
+  // from the same single run below autograd as always (so lower levels and
+  // the reverse-mode node are as usual); the output tangents come from the
+  // registered jvp, or, when none is registered, from forward-mode AD of the
+  // op's own function (run again, above autograd, on the dual inputs). Each
+  // runs at this level, so outer levels differentiate the tangent computation
+  // itself (jvp(jvp), grad(jvp)); and the grad node saves the dual inputs, so
+  // forward mode over its backward sees their tangents (jacfwd(jacrev)).
+  // Requires the GIL.
+  void set_tangents(
+      const std::vector<c10::IValue>& args,
+      c10::ArrayRef<c10::IValue> returns,
+      const std::vector<Slot>& ret_slots,
+      const std::vector<at::Tensor>& outputs) const {
     std::vector<at::Tensor> tangents(outputs.size());
-    {
-      py::gil_scoped_acquire gil;
-      try {
-        const py::handle opdef = state_->opdef.get();
-        if (state_->has_jvp.load()) {
-          py::tuple py_tangents(num_args);
-          for (size_t a = 0; a < num_args; ++a) {
-            py_tangents[a] = tangent_of(args[a]);
+    try {
+      const py::handle opdef = state_->opdef.get();
+      if (state_->has_jvp.load()) {
+        const size_t num_args = args.size();
+        py::tuple primals(num_args);
+        py::tuple py_tangents(num_args);
+        py::tuple needs(num_args);
+        for (size_t a = 0; a < num_args; ++a) {
+          primals[a] = torch::jit::toPyObject(strip_tangent(args[a]));
+          py_tangents[a] = tangent_of(args[a]);
+          needs[a] = py::bool_(requires_grad(args[a]));
+        }
+        py::tuple result = opdef.attr("_run_jvp")(
+            primals, to_py_tuple(returns), py_tangents, needs);
+        for (size_t r = 0; r < ret_slots.size(); ++r) {
+          const Slot& s = ret_slots[r];
+          py::handle t = result[r];
+          if (t.is_none()) {
+            continue;
           }
-          py::tuple py_needs(num_args);
-          for (size_t a = 0; a < num_args; ++a) {
-            py_needs[a] = py::bool_(needs_input_grad[a]);
+          if (!s.is_list) {
+            tangents[s.first] = check_tangent(t, outputs, s.first, r);
+            continue;
           }
-          py::tuple result = opdef.attr("_run_jvp")(
-              to_py_tuple(primal_args), to_py_tuple(call), py_tangents, py_needs);
-          for (size_t r = 0; r < num_returns; ++r) {
-            const Slot& s = ret_slots[r];
-            py::handle t = result[r];
-            if (t.is_none()) {
-              continue;
-            }
-            if (!s.is_list) {
-              tangents[s.first] = check_tangent(t, outputs, s.first, r);
-              continue;
-            }
-            auto seq = py::reinterpret_borrow<py::sequence>(t);
-            for (size_t k = 0; k < s.count; ++k) {
-              if (!seq[k].is_none()) {
-                tangents[s.first + k] = check_tangent(seq[k], outputs, s.first + k, r);
-              }
-            }
-          }
-        } else {
-          py::tuple result = opdef.attr("_composite_tangents")(to_py_tuple(args));
-          for (size_t k = 0; k < outputs.size(); ++k) {
-            if (!result[k].is_none()) {
-              tangents[k] = THPVariable_Unpack(result[k].ptr());
+          auto seq = py::reinterpret_borrow<py::sequence>(t);
+          for (size_t k = 0; k < s.count; ++k) {
+            if (!seq[k].is_none()) {
+              tangents[s.first + k] = check_tangent(seq[k], outputs, s.first + k, r);
             }
           }
         }
-      } catch (py::error_already_set& e) {
-        rethrow_python_error(e);
+      } else {
+        py::tuple result = opdef.attr("_composite_tangents")(to_py_tuple(args));
+        for (size_t k = 0; k < outputs.size(); ++k) {
+          if (!result[k].is_none()) {
+            tangents[k] = THPVariable_Unpack(result[k].ptr());
+          }
+        }
       }
+    } catch (py::error_already_set& e) {
+      rethrow_python_error(e);
     }
     for (size_t k = 0; k < outputs.size(); ++k) {
       if (tangents[k].defined() && outputs[k].defined() &&
           torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
         outputs[k]._set_fw_grad(tangents[k], /*level=*/0, /*is_inplace_op=*/false);
       }
-    }
-    for (auto& v : call) {
-      torch::jit::push(*stack, std::move(v));
     }
   }
 

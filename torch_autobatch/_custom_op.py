@@ -326,7 +326,7 @@ class CustomOpDef:
         try:
             out = self._init_fn(*args[:n], **dict(zip(self._kwarg_only, args[n:])))
         except (RuntimeError, NotImplementedError) as e:
-            if "forward" not in str(e).lower():
+            if not any(k in str(e) for k in ("forward", "Forward", "data pointer", "storage")):
                 raise
             raise type(e)(
                 f"torch_autobatch: forward-mode AD through {self._qualname} needs the "

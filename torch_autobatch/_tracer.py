@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["Trace", "TraceGraphs", "current_trace", "trace"]
 
 _Tensor = torch.Tensor
+_ref = weakref.ref
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 _graph_task_id = torch._C._current_graph_task_id
 _current_node = torch._C._current_autograd_node
@@ -49,7 +50,7 @@ _pop_mode = torch._C._pop_torch_dispatch_stack
 _stack_len = torch._C._len_torch_dispatch_stack
 _stack_at = torch._C._get_dispatch_stack_at
 
-#: ``node.metadata`` key of a node created while tracing: its :class:`_NodeInfo`.
+#: ``node.metadata`` key of an autograd node created while tracing: ``(trace, node index)``.
 NODE_KEY = "torch_autobatch_trace"
 _ACC_KEY = "torch_autobatch_trace_accumulate_grad"
 _acc_lock = threading.Lock()
@@ -60,11 +61,11 @@ _acc_lock = threading.Lock()
 #   - the dispatch-mode stack (C++, per thread): a _Recorder on it is what
 #     records. trace() pops its own in `finally`; a node's pre-hook pushes one
 #     that the autograd engine itself removes when the node is done, even when
-#     the node raises (the engine restores the thread-local state it saved
-#     before each node, mode stack included);
+#     the node raises (see NOTE [Why a node pre-hook and no post-hook]);
 #   - `_tls` below: the active trace() blocks, the `busy` flag (set only while
-#     a _Recorder runs an op, reset in `finally`), and weak references to work
-#     left for the next op. It holds no tensor and no trace strongly.
+#     a _Recorder that has another one under it runs an op, reset in
+#     `finally`), and work left for the next op. It holds tensors and traces
+#     only weakly.
 # torch.utils._python_dispatch.is_in_torch_dispatch_mode() is process-global
 # and its save/restore races between threads, so the modes are pushed with
 # torch._C._push_on_torch_dispatch_stack directly, never with `with mode:`.
@@ -73,9 +74,10 @@ _acc_lock = threading.Lock()
 class _State(threading.local):
     def __init__(self) -> None:
         self.blocks: list[Trace] = []  # trace() blocks active on this thread, innermost last
-        self.busy = False  # a _Recorder is running an op: the modes under it pass through
-        # (weakref to Trace, outputs, in-place view or None): tag their grad_fn at the next op.
-        self.pending: Optional[tuple[Any, tuple[_Value, ...], Optional[_Value]]] = None
+        self.busy = False  # a _Recorder runs an op: the _Recorders under it pass it through
+        # (weakref to Trace, output value(s), in-place-on-view flag): the last recorded op,
+        # whose outputs' grad_fn are tagged at the next op.
+        self.pending: Optional[tuple[Any, Any, bool]] = None
         self.task = -1  # graph task of the last traced node run on this thread ...
         self.task_trace: Callable[[], Optional[Trace]] = lambda: None  # ... and its trace
         self.flush_task = -1  # graph task for which a flush callback is queued
@@ -85,54 +87,53 @@ _tls = _State()
 
 
 class _Value:
-    """One recorded tensor value (SSA: an in-place op makes a new one). Holds no tensor.
+    """One recorded tensor value. Holds no tensor (``ref`` is a weak reference).
 
-    ``num >= 0``: output number ``num`` of the trace (``%num``). ``num < 0``: an
-    input, named ``name``; ``held`` keeps it for :meth:`TraceGraphs.run` when it
-    has no ``grad_fn`` (see NOTE [What a Trace holds]).
+    Values are SSA: an in-place op's output is a new value. ``num >= 0``: the
+    output numbered ``num`` (``%num``); ``num < 0``: an input (:class:`_Input`).
+    ``node``, once set, is the index of the autograd node whose grad_fn it is.
     """
 
-    __slots__ = ("num", "ref", "shape", "dtype", "node", "name", "held", "requires_grad")
+    __slots__ = ("num", "ref", "shape", "dtype", "node")
 
     def __init__(self, num: int, ref: Any, shape: torch.Size, dtype: torch.dtype) -> None:
         self.num = num
         self.ref = ref
         self.shape = shape
         self.dtype = dtype
-        self.node: Optional[int] = None  # index of the autograd node it is the output of
-        self.name: Optional[str] = None
-        self.held: Optional[_Tensor] = None
-        self.requires_grad = False
 
     def __str__(self) -> str:
-        return self.name if self.num < 0 else f"%{self.num}"  # type: ignore[return-value]
+        return f"%{self.num}"
 
     __repr__ = __str__
+
+
+class _Input(_Value):
+    """A tensor that no recorded op made. ``held`` keeps it (see NOTE [What a Trace holds])."""
+
+    __slots__ = ("name", "held", "requires_grad")
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class _Group:
     """Where recorded ops belong: the forward, or one run of one node's backward."""
 
-    __slots__ = ("pass_no", "label", "leaf")
+    __slots__ = ("pass_no", "name", "index", "leaf")
 
-    def __init__(self, pass_no: int, label: str, leaf: Optional[_Value] = None) -> None:
+    def __init__(self, pass_no: int, name: str, index: Optional[int] = None,
+                 leaf: Optional[_Value] = None) -> None:
         self.pass_no = pass_no  # 0: forward; k: the k-th backward call that ran this trace's nodes
-        self.label = label
+        self.name = name
+        self.index = index
         self.leaf = leaf
 
-
-class _NodeInfo:
-    """What a node created while tracing remembers: its trace (strongly), index and name."""
-
-    __slots__ = ("trace", "index", "name")
-
-    def __init__(self, trace: Trace, index: int, name: str) -> None:
-        self.trace = trace
-        self.index = index
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<torch_autobatch trace node {self.index}: {self.name}>"
+    @property
+    def label(self) -> str:
+        if self.leaf is not None:
+            return f"{self.name} ({self.leaf})"
+        return self.name if self.index is None else f"{self.name} (node {self.index})"
 
 
 class _Accumulate:
@@ -151,81 +152,153 @@ class _Recorder(TorchDispatchMode):
 
     ``group`` is None for the mode of a :func:`trace` block: its ops are the
     forward (or, inside a backward that no traced node started, that node's).
+    ``shadows``: another _Recorder is under this one on the stack; it must not
+    record what this one records (it sees the ops this one runs).
     """
 
     def __init__(self, trace: Trace, group: Optional[_Group]) -> None:
         # NB: no super().__init__(): its state serves only `with mode:`, which we never use.
         self.trace = trace
         self.group = group
+        self.shadows = _stack_len() > 0 and _recorder_on_stack() is not None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # The default wraps __torch_dispatch__ in torch._dynamo.disable, which costs
-        # about as much as the recording itself; see NOTE [torch.compile inside a trace].
+        # about as much as the recording itself.
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if kwargs is None:
-            kwargs = {}
         tls = _tls
-        if tls.busy:  # an op another _Recorder of ours is recording: pass it through
-            return func(*args, **kwargs)
-        if tls.pending is not None:
-            _flush_pending(tls)
-        tls.busy = True
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            tls.busy = False
-        self.trace._record(self.group, func, args, kwargs, out, tls)
+        if tls.busy:  # a _Recorder above this one records this op
+            return func(*args, **kwargs) if kwargs else func(*args)
+        pending = tls.pending
+        if pending is not None:
+            tls.pending = None
+            _tag_outputs(*pending)
+        if self.shadows:
+            tls.busy = True
+            try:
+                out = func(*args, **kwargs) if kwargs else func(*args)
+            finally:
+                tls.busy = False
+        else:
+            out = func(*args, **kwargs) if kwargs else func(*args)
+
+        # Record. This is the hot path: see NOTE [Cost of recording].
+        trace = self.trace
+        ids = trace._ids
+        grad = _grad_enabled()
+        rargs = []
+        for a in args:
+            if isinstance(a, _Tensor):
+                v = ids.get(id(a))
+                if v is None or v.ref() is not a:
+                    v = trace._new_input(a)
+                elif grad and a._is_view():
+                    _tag_view_input(trace, a)
+                rargs.append(v)
+            elif (type(a) is list or type(a) is tuple) and a and type(a[0]) is not int:
+                rargs.append(trace._map(a))
+            else:
+                rargs.append(a)
+        if kwargs:
+            kwargs = {k: trace._map(a) for k, a in kwargs.items()}
+        if isinstance(out, _Tensor):
+            outs: Any = _Value(trace._next_num(), _ref(out), out.shape, out.dtype)
+            ids[id(out)] = outs
+        elif type(out) is tuple or type(out) is list:
+            outs = tuple(trace._output(o) if isinstance(o, _Tensor) else o for o in out)
+        else:
+            outs = out
+        group = self.group
+        if group is None:
+            group = trace._forward if _graph_task_id() == -1 else trace._untraced_group()
+        trace._entries.append((group, func, rargs, kwargs, outs))
+        if grad:
+            tls.pending = (trace._weakself, outs, out is args[0] if args else False)
         return out
 
 
-def _flush_pending(tls: _State) -> None:
-    """Tags the grad_fn of the previous op's outputs, now that autograd has set them.
+def _recorder_on_stack() -> Optional[_Recorder]:
+    """The topmost _Recorder on this thread's dispatch-mode stack, if any."""
+    for i in range(_stack_len() - 1, -1, -1):
+        mode = _stack_at(i)
+        if type(mode) is _Recorder:
+            return mode
+    return None
+
+
+def _tag_outputs(trace_ref: Any, outs: Any, inplace: bool) -> None:
+    """Tags the grad_fn of the last recorded op's outputs, now that autograd has set them.
 
     NOTE [Finding the nodes an op created]
     The mode sits below autograd: an op's outputs get their grad_fn only after
-    the mode returns. So each recorded op leaves its outputs here, and the next
-    op (or the end of the block, or the next node's pre-hook, or the end of a
-    create_graph backward) tags them. Every node of the graph is the grad_fn of
+    the mode returns. So each recorded op leaves its outputs in `_tls.pending`
+    and the next op (or the end of the block, or the next node's pre-hook, or
+    the end of a create_graph backward) tags them. Every node is the grad_fn of
     some op's output at that moment: C++ composites (linear, matmul) reach the
-    mode op by op, and a view's output is the very tensor autograd returns.
-    The one node that is nobody's grad_fn is the CopySlices made by an in-place
-    op on a view: it is the grad_fn of the view's base, so it is found there.
-    Hooks on the node that CopySlices wraps never fire; CopySlices' do.
+    mode op by op, and a view op's output is the very tensor autograd returns.
+    Two kinds of nodes are nobody's grad_fn then:
+      - the CopySlices made by an in-place op on a view is the grad_fn of the
+        view's *base*: it is tagged from there. (Hooks on the node CopySlices
+        wraps never fire; CopySlices' do.)
+      - a view whose base was later modified in place gets a new grad_fn when
+        it is next used: views are checked when they are an op's input
+        (`_tag_view_input`).
     """
-    trace_ref, values, view = tls.pending  # type: ignore[misc]
-    tls.pending = None
     trace = trace_ref()
     if trace is None:
         return
-    for v in values:
-        t = v.ref()
-        if t is not None:
-            fn = t.grad_fn
-            if fn is not None:
-                md = fn.metadata
-                if NODE_KEY not in md:
-                    v.node = trace._tag(fn, md)
-    if view is not None:
-        t = view.ref()
-        base = None if t is None else t._base
-        fn = None if base is None else base.grad_fn
+    if type(outs) is _Value:
+        t = outs.ref()
+        if t is None:
+            return
+        fn = t.grad_fn
         if fn is not None:
             md = fn.metadata
             if NODE_KEY not in md:
-                trace._tag(fn, md)
+                outs.node = trace._tag(fn, md)
+        if inplace and t._is_view():
+            base = t._base
+            fn = None if base is None else base.grad_fn
+            if fn is not None:
+                md = fn.metadata
+                if NODE_KEY not in md:
+                    trace._tag(fn, md)
+    elif type(outs) is tuple:
+        for v in outs:
+            if type(v) is _Value:
+                t = v.ref()
+                fn = None if t is None else t.grad_fn
+                if fn is not None:
+                    md = fn.metadata
+                    tag = md.get(NODE_KEY)
+                    v.node = trace._tag(fn, md) if tag is None else tag[1]
+
+
+def _tag_view_input(trace: Trace, a: _Tensor) -> None:
+    fn = a.grad_fn
+    if fn is not None:
+        md = fn.metadata
+        if NODE_KEY not in md:
+            trace._tag(fn, md)
+
+
+def _flush(tls: _State) -> None:
+    pending = tls.pending
+    if pending is not None:
+        tls.pending = None
+        _tag_outputs(*pending)
 
 
 def _flush_callback() -> None:
     tls = _tls
     tls.flush_task = -1
-    if tls.pending is not None:
-        _flush_pending(tls)
+    _flush(tls)
 
 
-def _node_prehook(info: _NodeInfo, grad_outputs: Any) -> None:
+def _node_prehook(trace: Trace, index: int, name: str, grad_outputs: Any) -> None:
     """Runs before a traced node's backward, on the thread that runs it.
 
     NOTE [Why a node pre-hook and no post-hook]
@@ -238,17 +311,15 @@ def _node_prehook(info: _NodeInfo, grad_outputs: Any) -> None:
     """
     tls = _tls
     if tls.pending is not None:
-        _flush_pending(tls)
-    trace = info.trace
+        _flush(tls)
     task = _graph_task_id()
-    group = trace._new_group(task, f"{info.name} (node {info.index})")
     tls.task = task
     tls.task_trace = trace._weakself
-    if _grad_enabled() and tls.flush_task != task:
-        # create_graph=True: the last op's outputs get nodes to tag after the last node.
+    if tls.flush_task != task and _grad_enabled():
+        # create_graph=True: the last op's outputs get nodes, to tag after the last node.
         tls.flush_task = task
         torch.autograd.Variable._execution_engine.queue_callback(_flush_callback)
-    _push_mode(_Recorder(trace, group))
+    _push_mode(_Recorder(trace, _Group(trace._pass_of(task), name, index)))
 
 
 def _accumulate_grad_prehook(grad_outputs: Any) -> None:
@@ -261,7 +332,7 @@ def _accumulate_grad_prehook(grad_outputs: Any) -> None:
     """
     tls = _tls
     if tls.pending is not None:
-        _flush_pending(tls)
+        _flush(tls)
     task = _graph_task_id()
     if task != tls.task:
         return
@@ -269,8 +340,8 @@ def _accumulate_grad_prehook(grad_outputs: Any) -> None:
     if trace is None:
         return
     leaf = trace._value(_current_node().variable)
+    group = _Group(trace._pass_of(task), "AccumulateGrad", None, leaf)
     grad = grad_outputs[0]
-    group = trace._new_group(task, f"AccumulateGrad ({leaf})", leaf)
     if grad is not None:
         trace._entries.append((group, _ACCUMULATE, (leaf, trace._value(grad)), {}, None))
     _push_mode(_Recorder(trace, group))
@@ -338,13 +409,13 @@ class Trace:
     """
 
     def __init__(self, names: Optional[Mapping[str, _Tensor]] = None) -> None:
-        self._weakself = weakref.ref(self)
-        self._ids: dict[int, _Value] = {}  # id(tensor) -> its latest value
-        self._inputs: list[_Value] = []
+        self._weakself = _ref(self)
+        self._ids: dict[int, _Value] = {}  # id(tensor) -> its latest value (checked by .ref)
+        self._inputs: list[_Input] = []
+        self._unnamed = 0  # inputs named %arg0, %arg1, ...
         self._entries: list[tuple[Any, ...]] = []  # (group, func, args, kwargs, outputs)
         self._next_num = itertools.count().__next__
         self._next_node = itertools.count().__next__
-        self._next_input = itertools.count().__next__
         self._forward = _Group(0, "forward")
         self._passes: dict[int, int] = {}  # graph task id -> backward call number
         self._untraced: dict[tuple[Any, ...], _Group] = {}
@@ -353,16 +424,18 @@ class Trace:
             self._new_input(t, name)
 
     # ------------------------------------------------------------- recording
-    def _new_input(self, t: _Tensor, name: Optional[str] = None) -> _Value:
+    def _new_input(self, t: _Tensor, name: Optional[str] = None) -> _Input:
         with self._lock:
             v = self._ids.get(id(t))
-            if v is not None and v.ref() is t:
+            if type(v) is _Input and v.ref() is t:
                 return v
-            v = _Value(-1 - len(self._inputs), weakref.ref(t), t.shape, t.dtype)
-            v.name = f"%{name}" if name is not None else f"%arg{self._next_input()}"
+            v = _Input(-1 - len(self._inputs), _ref(t), t.shape, t.dtype)
+            if name is None:
+                name = f"arg{self._unnamed}"
+                self._unnamed += 1
+            v.name = f"%{name}"
             v.requires_grad = t.requires_grad
-            if t.grad_fn is None:
-                v.held = t
+            v.held = t if t.grad_fn is None else None
             self._inputs.append(v)
             self._ids[id(t)] = v
             return v
@@ -381,69 +454,41 @@ class Trace:
         return a
 
     def _output(self, t: _Tensor) -> _Value:
-        v = _Value(self._next_num(), weakref.ref(t), t.shape, t.dtype)
+        v = _Value(self._next_num(), _ref(t), t.shape, t.dtype)
         self._ids[id(t)] = v
         return v
 
-    def _record(
-        self, group: Optional[_Group], func: Any, args: tuple[Any, ...],
-        kwargs: dict[str, Any], out: Any, tls: _State,
-    ) -> None:
-        ids = self._ids
-        margs = list(args)
-        for i, a in enumerate(margs):
-            if isinstance(a, _Tensor):
-                v = ids.get(id(a))
-                margs[i] = v if v is not None and v.ref() is a else self._new_input(a)
-            elif type(a) is list or type(a) is tuple:
-                margs[i] = self._map(a)
-        mkwargs = {k: self._map(a) for k, a in kwargs.items()} if kwargs else kwargs
-        view = None
-        if isinstance(out, _Tensor):
-            outs: Any = self._output(out)
-            values: tuple[_Value, ...] = (outs,)
-            if args and out is args[0] and out._is_view():
-                view = outs  # in-place on a view: its base's grad_fn is a CopySlices
-        elif type(out) is tuple or type(out) is list:
-            outs = tuple(self._output(o) if isinstance(o, _Tensor) else o for o in out)
-            values = tuple(o for o in outs if type(o) is _Value)
-        else:
-            outs, values = out, ()
-        if group is None:
-            group = self._forward if _graph_task_id() == -1 else self._untraced_group()
-        self._entries.append((group, func, tuple(margs), mkwargs, outs))
-        if values and _grad_enabled():
-            tls.pending = (self._weakself, values, view)
-
     def _tag(self, fn: Any, md: dict[str, Any]) -> int:
-        info = _NodeInfo(self, self._next_node(), fn.name())
-        md[NODE_KEY] = info
-        fn.register_prehook(partial(_node_prehook, info))
+        """Makes autograd node ``fn`` record its backward into this trace; returns its index."""
+        index = self._next_node()
+        name = fn.name()
+        md[NODE_KEY] = (self, index)
+        fn.register_prehook(partial(_node_prehook, self, index, name))
         for nxt, _ in fn.next_functions:
             if type(nxt) is _AccumulateGrad and _ACC_KEY not in nxt.metadata:
                 _hook_accumulate_grad(nxt)
-        return info.index
+        return index
 
-    def _new_group(self, task: int, label: str, leaf: Optional[_Value] = None) -> _Group:
+    def _pass_of(self, task: int) -> int:
         pass_no = self._passes.get(task)
         if pass_no is None:
             with self._lock:
                 pass_no = self._passes.setdefault(task, len(self._passes) + 1)
-        return _Group(pass_no, label, leaf)
+        return pass_no
 
     def _untraced_group(self) -> _Group:
         """The group of an op a trace() block's mode sees inside a backward.
 
-        That is a node no trace tagged (one created before the block) whose
-        backward runs on this thread while the block is active.
+        That is the backward of a node no trace tagged (one created before the
+        block) that runs on this thread while the block is active.
         """
         task = _graph_task_id()
         node = _current_node()
         key = (task, None) if node is None else (task, node.name(), node._sequence_nr())
         group = self._untraced.get(key)
         if group is None:
-            label = "(engine)" if node is None else f"{node.name()} (untraced node)"
-            group = self._untraced[key] = self._new_group(task, label)
+            name = "(engine)" if node is None else f"{node.name()} (untraced node)"
+            group = self._untraced[key] = _Group(self._pass_of(task), name)
         return group
 
     # ----------------------------------------------------------------- public
@@ -508,7 +553,7 @@ def _format_arg(a: Any) -> str:
     if type(a) is list or type(a) is tuple:
         inner = ", ".join(_format_arg(x) for x in a)
         return f"[{inner}]"
-    return str(a) if type(a) is _Value else repr(a)
+    return str(a) if isinstance(a, _Value) else repr(a)
 
 
 def _format_entry(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: Any) -> str:
@@ -517,13 +562,14 @@ def _format_entry(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs
     call = ", ".join([_format_arg(a) for a in args] + [f"{k}={_format_arg(a)}" for k, a in kwargs.items()])
     call = f"{func}({call})"
     if type(outs) is _Value:
-        node = "" if outs.node is None else f", node {outs.node}"
+        index = getattr(outs, "node", None)
+        node = "" if index is None else f", node {index}"
         return f"{outs} = {call}  # {_type_str(outs)}{node}"
     if type(outs) is tuple:
         vals = [o for o in outs if type(o) is _Value]
         lhs = ", ".join(str(o) if type(o) is _Value else "_" for o in outs)
         types = ", ".join(_type_str(o) for o in vals)
-        nodes = sorted({o.node for o in vals if o.node is not None})
+        nodes = sorted({o.node for o in vals if getattr(o, "node", None) is not None})
         node = f", node {nodes[0]}" if nodes else ""
         return f"{lhs or '_'} = {call}  # ({types}){node}"
     return f"_ = {call}  # {outs!r}" if outs is not None else call
@@ -555,8 +601,7 @@ class _TraceBlock:
         tls, mode = _tls, self._mode
         self._mode = None
         try:
-            if tls.pending is not None:
-                _flush_pending(tls)
+            _flush(tls)
         finally:
             tls.pending = None
             tls.blocks.remove(self._trace)  # type: ignore[arg-type]
@@ -659,11 +704,8 @@ def current_trace() -> Optional[Trace]:
     That is the innermost active :func:`trace` block, or, inside the backward
     of a node created while tracing, that node's trace.
     """
-    for i in range(_stack_len() - 1, -1, -1):
-        mode = _stack_at(i)
-        if type(mode) is _Recorder:
-            return mode.trace
-    return None
+    mode = _recorder_on_stack()
+    return None if mode is None else mode.trace
 
 
 # ---------------------------------------------------------------------- to_fx
@@ -737,7 +779,7 @@ class TraceGraphs:
 
 
 def _values_in(a: Any) -> Iterator[_Value]:
-    if type(a) is _Value:
+    if isinstance(a, _Value):
         yield a
     elif type(a) is list or type(a) is tuple:
         for x in a:
@@ -775,7 +817,7 @@ def _build_graphs(trace: Trace) -> TraceGraphs:
                     inputs.append(v)
 
         def fx(a: Any) -> Any:
-            if type(a) is _Value:
+            if isinstance(a, _Value):
                 return nodes[a]
             if type(a) is list or type(a) is tuple:
                 return type(a)(fx(x) for x in a)
@@ -788,7 +830,8 @@ def _build_graphs(trace: Trace) -> TraceGraphs:
                 continue
             name = _fx_name(str(outs)) if type(outs) is _Value else None
             node = graph.create_node(
-                "call_function", func, fx(args), {k: fx(a) for k, a in kwargs.items()}, name=name
+                "call_function", func, tuple(fx(args)), {k: fx(a) for k, a in kwargs.items()},
+                name=name,
             )
             if type(outs) is _Value:
                 nodes[outs] = node

@@ -1,0 +1,285 @@
+"""Forward mode: register_jvp honoured at every level, derived from the op's function otherwise.
+
+Test ops have a jvp that is deliberately 3x the true one and a backward that is
+2x. Oracles: plain functions whose forward derivative is 3x
+(``thrice``) or whose reverse derivative is 2x (``twice``), under the same
+transform. Which rule governs each level (README "Forward mode"):
+- the op's own tangent, at any level: the registered jvp (3x);
+- the op's own gradient, at any level: the registered backward (2x);
+- an outer transform differentiates the inner rule's torch ops: grad(jvp) and
+  jvp(jvp) differentiate the jvp (3x), jvp(grad) and jacfwd(jacrev) the
+  backward (2x).
+"""
+
+from typing import Optional
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, linearize, vmap
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_autobatch
+
+
+def twice(y):
+    return y.detach() + 2 * (y - y.detach())
+
+
+def thrice(y):
+    return y.detach() + 3 * (y - y.detach())
+
+
+def _f(x, y):
+    return torch.sin(x) * y + x.sum(-1, keepdim=True)
+
+
+def _df(x, y, tx, ty):
+    """The true jvp of _f."""
+    out = 0
+    if tx is not None:
+        out = out + tx * y * torch.cos(x) + tx.sum(-1, keepdim=True)
+    if ty is not None:
+        out = out + ty * torch.sin(x)
+    return out
+
+
+@torch_autobatch.custom_op("tab_fwd::f", mutates_args=())
+def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _f(x, y)
+
+
+def _f_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _f_backward(ctx, g):
+    x, y = ctx.saved_tensors
+    gx = g * y * torch.cos(x) + g.sum(-1, keepdim=True).expand_as(x)
+    return 2 * gx, 2 * g * torch.sin(x)
+
+
+def _f_jvp(ctx, tx, ty):
+    x, y = ctx.saved_tensors
+    return 3 * _df(x, y, tx, ty)
+
+
+f.register_autograd(_f_backward, setup_context=_f_setup)
+f.register_jvp(_f_jvp)
+
+
+# Two outputs; its own setup_context for the jvp, with save_for_forward.
+@torch_autobatch.custom_op("tab_fwd::two", mutates_args=())
+def two(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tanh(x) * scale, x.exp()
+
+
+def _two_jvp_setup(ctx, inputs, output):
+    x, scale = inputs
+    ctx.save_for_forward(x)
+    ctx.scale = scale
+
+
+@two.register_jvp(setup_context=_two_jvp_setup)
+def _two_jvp(ctx, tx, tscale):
+    assert tscale is None
+    (x,) = ctx.saved_tensors
+    return 3 * tx * ctx.scale * (1 - torch.tanh(x) ** 2), 3 * tx * x.exp()
+
+
+# No jvp: forward mode is derived from the function (the true derivative).
+@torch_autobatch.custom_op("tab_fwd::derived", mutates_args=())
+def derived(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _f(x, y)
+
+
+derived.register_autograd(_f_backward, setup_context=_f_setup)
+
+
+def f_fwd(x, y):  # forward derivative 3x
+    return thrice(_f(x, y))
+
+
+def f_rev(x, y):  # reverse derivative 2x
+    return twice(_f(x, y))
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+class TestCustomJvp(TestCase):
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+        self.x, self.y = randn(3, 4), randn(3, 4)
+        self.tx, self.ty = randn(3, 4), randn(3, 4)
+
+    def test_jvp_all_and_some_tangents(self):
+        x, y, tx, ty = self.x, self.y, self.tx, self.ty
+        self.assertEqual(jvp(f, (x, y), (tx, ty)), jvp(f_fwd, (x, y), (tx, ty)))
+        # a tangent for x only: y's is a zero tangent (None in the user's jvp)
+        got = jvp(lambda x: f(x, y), (x,), (tx,))
+        self.assertEqual(got, jvp(lambda x: f_fwd(x, y), (x,), (tx,)))
+        self.assertEqual(got[1], 3 * _df(x, y, tx, None))
+
+    def test_jacfwd_and_linearize(self):
+        x, y = self.x[0], self.y[0]
+        self.assertEqual(jacfwd(f)(x, y), jacfwd(f_fwd)(x, y))
+        self.assertEqual(jacfwd(f, argnums=1)(x, y), jacfwd(f_fwd, argnums=1)(x, y))
+        out, fn = linearize(lambda x: f(x, y), x)
+        self.assertEqual(fn(self.tx[0]), 3 * _df(x, y, self.tx[0], None))
+
+    def test_dual_tensors(self):
+        x, y, tx = self.x, self.y, self.tx
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(f(fwAD.make_dual(x, tx), y))
+        self.assertEqual(out.primal, _f(x, y))
+        self.assertEqual(out.tangent, 3 * _df(x, y, tx, None))
+        # the primal still carries the registered backward
+        xr = x.clone().requires_grad_()
+        with fwAD.dual_level():
+            out = f(fwAD.make_dual(xr, tx), y)
+            self.assertEqual(fwAD.unpack_dual(out).tangent, 3 * _df(x, y, tx, None))
+        out.sum().backward()
+        self.assertEqual(xr.grad, grad(lambda x: f_rev(x, y).sum())(x))
+
+    def test_nested_forward(self):
+        x, y, tx = self.x[0], self.y[0], self.tx[0]
+        self.assertEqual(
+            jvp(lambda x: jvp(lambda x: f(x, y), (x,), (tx,))[1], (x,), (tx,)),
+            jvp(lambda x: jvp(lambda x: f_fwd(x, y), (x,), (tx,))[1], (x,), (tx,)),
+        )
+        self.assertEqual(jacfwd(jacfwd(f))(x, y), jacfwd(jacfwd(f_fwd))(x, y))
+
+    def test_with_vmap(self):
+        x, y, tx, ty = self.x, self.y, self.tx, self.ty
+        # vmap(jvp): the jvp level is above vmap
+        got = vmap(lambda x, y, tx, ty: jvp(f, (x, y), (tx, ty)))(x, y, tx, ty)
+        self.assertEqual(got, vmap(lambda x, y, tx, ty: jvp(f_fwd, (x, y), (tx, ty)))(x, y, tx, ty))
+        # jvp(vmap): the jvp level is below vmap; the op runs batched once
+        got = jvp(vmap(f), (x, y), (tx, ty))
+        self.assertEqual(got, jvp(vmap(f_fwd), (x, y), (tx, ty)))
+        got = jvp(vmap(f, in_dims=(0, None)), (x, y[0]), (tx, ty[0]))
+        self.assertEqual(got, jvp(vmap(f_fwd, in_dims=(0, None)), (x, y[0]), (tx, ty[0])))
+        self.assertEqual(vmap(jacfwd(f))(x, y), vmap(jacfwd(f_fwd))(x, y))
+
+    def test_mixed_with_reverse(self):
+        x, y, tx = self.x[0], self.y[0], self.tx[0]
+        # grad(jvp): the outer grad differentiates the registered jvp (3x)
+        self.assertEqual(
+            grad(lambda x: jvp(lambda x: f(x, y), (x,), (tx,))[1].sum())(x),
+            grad(lambda x: jvp(lambda x: f_fwd(x, y), (x,), (tx,))[1].sum())(x),
+        )
+        # jvp(grad) and hessian = jacfwd(jacrev): the outer forward mode
+        # differentiates the registered backward (2x)
+        g = lambda x: grad(lambda x: f(x, y).sum())(x)  # noqa: E731
+        g_ref = lambda x: grad(lambda x: f_rev(x, y).sum())(x)  # noqa: E731
+        self.assertEqual(jvp(g, (x,), (tx,)), jvp(g_ref, (x,), (tx,)))
+        self.assertEqual(
+            hessian(lambda x: f(x, y).sum())(x), hessian(lambda x: f_rev(x, y).sum())(x)
+        )
+
+    def test_several_outputs_and_own_setup_context(self):
+        x, tx = self.x, self.tx
+        (a, b), (ta, tb) = jvp(lambda x: two(x, 2.0), (x,), (tx,))
+        self.assertEqual(a, torch.tanh(x) * 2.0)
+        self.assertEqual(ta, 3 * tx * 2.0 * (1 - torch.tanh(x) ** 2))
+        self.assertEqual(tb, 3 * tx * x.exp())
+        # only one output used
+        _, tb_only = jvp(lambda x: two(x, 2.0)[1], (x,), (tx,))
+        self.assertEqual(tb_only, tb)
+
+
+class TestDerivedJvp(TestCase):
+    """No jvp registered: forward mode is the forward-mode AD of the op's function."""
+
+    def test_true_derivative_never_zeros(self):
+        torch.manual_seed(0)
+        x, y, tx = randn(3, 4), randn(3, 4), randn(3, 4)
+        _, t = jvp(lambda x: derived(x, y), (x,), (tx,))
+        self.assertEqual(t, _df(x, y, tx, None))
+        self.assertNotEqual(t, torch.zeros_like(t))
+        self.assertEqual(jacfwd(derived)(x[0], y[0]), jacfwd(_f)(x[0], y[0]))
+        self.assertEqual(jvp(vmap(derived), (x, y), (tx, tx)), jvp(vmap(_f), (x, y), (tx, tx)))
+        self.assertEqual(vmap(jacfwd(derived))(x, y), vmap(jacfwd(_f))(x, y))
+        # reverse mode still uses the registered (2x) backward
+        self.assertEqual(
+            hessian(lambda x: derived(x, y[0]).sum())(x[0]),
+            hessian(lambda x: f_rev(x, y[0]).sum())(x[0]),
+        )
+
+    def test_not_forward_differentiable_raises(self):
+        @torch_autobatch.custom_op("tab_fwd::via_numpy", mutates_args=())
+        def via_numpy(x: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(x.detach().numpy() ** 2)
+
+        # torch.func.jvp: the function fails on functorch's wrappers
+        with self.assertRaisesRegex(RuntimeError, "needs the forward-mode derivative") as cm:
+            jvp(via_numpy, (randn(3),), (randn(3),))
+        self.assertIn("via_numpy.register_jvp(jvp)", str(cm.exception))
+        # dual tensors: the function runs and drops the tangent
+        with self.assertRaises(RuntimeError) as cm, fwAD.dual_level():
+            via_numpy(fwAD.make_dual(randn(3), randn(3)))
+        self.assertExpectedInline(
+            str(cm.exception),
+            """torch_autobatch: forward-mode AD through tab_fwd::via_numpy got no tangent from its function: it is not differentiable in forward mode (it leaves torch, e.g. through .numpy() or .item(), or detaches). Returning zeros would be silently wrong. Register a jvp with via_numpy.register_jvp(jvp).""",
+        )
+
+
+class TestBadJvp(TestCase):
+    def _op(self, name, jvp_fn):
+        @torch_autobatch.custom_op(f"tab_fwd::{name}", mutates_args=())
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        def bad_jvp(ctx, t):
+            return jvp_fn(t)
+
+        op.register_jvp(bad_jvp)
+        return op
+
+    def check(self, name, jvp_fn, expected):
+        op = self._op(name, jvp_fn)
+        with self.assertRaises(RuntimeError) as cm:
+            jvp(op, (randn(3),), (randn(3),))
+        self.assertEqual(str(cm.exception).split("\n")[0], expected)
+        self.assertIsNone(torch._C._functorch.maybe_current_level())
+
+    def test_wrong_count(self):
+        self.check(
+            "bad_count",
+            lambda t: (t, t),
+            "torch_autobatch: the jvp of tab_fwd::bad_count (TestBadJvp._op.<locals>.bad_jvp) "
+            "returned 2 tangent(s), but the op has 1 output(s). Return one tangent per output "
+            "(a tuple for several), None for non-differentiable ones.",
+        )
+
+    def test_wrong_shape(self):
+        self.check(
+            "bad_shape",
+            lambda t: t[:2],
+            "torch_autobatch: the jvp of tab_fwd::bad_shape (TestBadJvp._op.<locals>.bad_jvp) "
+            "returned a tangent of shape [2] for output 0, which has shape [3]. Return a "
+            "tangent of the output's shape.",
+        )
+
+    def test_wrong_dtype(self):
+        self.check(
+            "bad_dtype",
+            lambda t: t.float(),
+            "torch_autobatch: the jvp of tab_fwd::bad_dtype (TestBadJvp._op.<locals>.bad_jvp) "
+            "returned a tangent of dtype Float for output 0, which has dtype Double. Cast it "
+            "with .to(output.dtype).",
+        )
+
+    def test_wrong_type(self):
+        self.check(
+            "bad_type",
+            lambda t: 3,
+            "torch_autobatch: the jvp of tab_fwd::bad_type (TestBadJvp._op.<locals>.bad_jvp) "
+            "returned a value of type int as the tangent of output 0; expected a Tensor or None.",
+        )
+
+
+if __name__ == "__main__":
+    run_tests()
