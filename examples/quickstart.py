@@ -9,9 +9,13 @@ from torch.func import grad, jacrev, vjp, vmap
 import torch_autobatch
 
 
+CALLS = [0]
+
+
 @torch_autobatch.custom_op("quickstart::softclip", mutates_args=())
 def softclip(x: torch.Tensor, scale: float) -> torch.Tensor:
     """scale * tanh(x / scale): a smooth clip to (-scale, scale)."""
+    CALLS[0] += 1
     return scale * torch.tanh(x / scale)
 
 
@@ -72,13 +76,19 @@ def main() -> None:
     torch.testing.assert_close(xc.grad, grad(ref_loss)(x.detach()))
     print("ok  torch.compile(fullgraph=True) + .backward()")
 
-    # Forward mode is not implemented yet: it raises instead of returning zeros.
-    try:
-        torch.func.jvp(lambda x: softclip(x, 2.0), (x,), (torch.ones_like(x),))
-    except NotImplementedError as e:
-        print(f"ok  forward mode raises: {str(e)[:70]}...")
-    else:  # pragma: no cover
-        raise AssertionError("forward mode should raise until it is implemented")
+    # Forward mode: no jvp registered, so it is derived from softclip itself.
+    t = torch.randn_like(x)
+    _, tangent = torch.func.jvp(lambda x: softclip(x, 2.0), (x,), (t,))
+    _, want = torch.func.jvp(lambda x: reference(x, 2.0), (x,), (t,))
+    torch.testing.assert_close(tangent, want)
+    torch.testing.assert_close(torch.func.hessian(loss)(x), torch.func.hessian(ref_loss)(x))
+    print("ok  torch.func.jvp and torch.func.hessian (forward over reverse)")
+
+    # vmap runs softclip once on the whole batch, not once per example.
+    CALLS[0] = 0
+    out = vmap(softclip, in_dims=(0, None))(torch.randn(1000, 64), 2.0)
+    assert CALLS[0] == 1 and out.shape == (1000, 64), CALLS
+    print("ok  vmap over 1000 examples ran softclip once")
 
 
 if __name__ == "__main__":
