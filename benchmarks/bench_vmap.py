@@ -63,9 +63,10 @@ def _body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.sin(x) * y + x.sum(-1, keepdim=True)
 
 
-def _vjp(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
-    gx = grad_out * y * torch.cos(x) + grad_out.sum(-1, keepdim=True).expand_as(x)
-    gy = grad_out * torch.sin(x)
+def _vjp(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, needs=(True, True)):
+    # Computes only the gradients asked for, as autograd does for the plain function.
+    gx = grad_out * y * torch.cos(x) + grad_out.sum(-1, keepdim=True).expand_as(x) if needs[0] else None
+    gy = grad_out * torch.sin(x) if needs[1] else None
     return gx, gy
 
 
@@ -76,7 +77,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, y = ctx.saved_tensors
-    return _vjp(grad_out, x, y)
+    return _vjp(grad_out, x, y, ctx.needs_input_grad)
 
 
 # (d) plain function
@@ -134,7 +135,7 @@ class FFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, y = ctx.saved_tensors
-        return _vjp(grad_out, x, y)
+        return _vjp(grad_out, x, y, ctx.needs_input_grad)
 
     @staticmethod
     def jvp(ctx, tx, ty):
