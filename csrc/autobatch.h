@@ -116,14 +116,10 @@ void check_no_aliasing(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs);
 
-// Registers our kernels for `state->qualname` into `lib` (a torch::Library
-// IMPL fragment of the op's namespace): autograd.cpp, batched.cpp.
-void register_autograd_kernel(
-    torch::Library& lib,
-    const std::shared_ptr<OpState>& state);
-void register_batched_kernel(
-    torch::Library& lib,
-    const std::shared_ptr<OpState>& state);
+// Our boxed kernels for one op: autograd.cpp (the Autograd key) and
+// batched.cpp (the FuncTorchBatched key).
+torch::CppFunction autograd_kernel(const std::shared_ptr<OpState>& state);
+torch::CppFunction batched_kernel(const std::shared_ptr<OpState>& state);
 
 // Converts a pending Python exception into the C++ exception that torch's
 // bindings and autograd engine re-raise unchanged in Python.

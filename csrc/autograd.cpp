@@ -653,16 +653,8 @@ class AutogradKernel final : public c10::OperatorKernel {
 
 } // namespace
 
-void register_autograd_kernel(
-    torch::Library& lib,
-    const std::shared_ptr<OpState>& state) {
-  const auto name = state->qualname.substr(state->qualname.find("::") + 2);
-  lib.impl(
-      name.c_str(),
-      torch::dispatch(
-          c10::DispatchKey::Autograd,
-          torch::CppFunction::makeFromBoxedFunctor(
-              std::make_unique<AutogradKernel>(state))));
+torch::CppFunction autograd_kernel(const std::shared_ptr<OpState>& state) {
+  return torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(state));
 }
 
 } // namespace torch_autobatch

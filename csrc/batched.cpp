@@ -622,16 +622,8 @@ void BatchedKernel::run_loop(
 
 } // namespace
 
-void register_batched_kernel(
-    torch::Library& lib,
-    const std::shared_ptr<OpState>& state) {
-  const auto name = state->qualname.substr(state->qualname.find("::") + 2);
-  lib.impl(
-      name.c_str(),
-      torch::dispatch(
-          c10::DispatchKey::FuncTorchBatched,
-          torch::CppFunction::makeFromBoxedFunctor(
-              std::make_unique<BatchedKernel>(state))));
+torch::CppFunction batched_kernel(const std::shared_ptr<OpState>& state) {
+  return torch::CppFunction::makeFromBoxedFunctor(std::make_unique<BatchedKernel>(state));
 }
 
 } // namespace torch_autobatch

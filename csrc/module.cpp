@@ -36,8 +36,12 @@ std::unique_ptr<Registration> register_op(
   reg->state = state;
   reg->lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, qualname.substr(0, sep), std::nullopt, __FILE__, __LINE__);
-  register_autograd_kernel(*reg->lib, state);
-  register_batched_kernel(*reg->lib, state);
+  const auto name = qualname.substr(sep + 2);
+  reg->lib->impl(
+      name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, autograd_kernel(state)));
+  reg->lib->impl(
+      name.c_str(),
+      torch::dispatch(c10::DispatchKey::FuncTorchBatched, batched_kernel(state)));
   return reg;
 }
 
