@@ -65,10 +65,15 @@ std::vector<std::optional<int64_t>> unwrap_vmap_level(
   return bdims;
 }
 
-void unwrap_wrapper_level(std::vector<at::Tensor>& ts, int64_t level) {
+// Unwraps the TensorWrappers (Grad, Jvp) or FunctionalTensorWrappers
+// (Functionalize) of `layer`.
+void unwrap_wrapper_level(std::vector<at::Tensor>& ts, const DynamicLayer& layer) {
+  const int64_t level = layer.layerId();
+  const bool functionalize = layer.key() == TransformType::Functionalize;
   for (auto& t : ts) {
     if (t.defined()) {
-      t = functorch::unwrap_grad_level(t, level);
+      t = functionalize ? functorch::unwrap_functionalize_level(t, level)
+                        : functorch::unwrap_grad_level(t, level);
     }
   }
 }
@@ -429,8 +434,8 @@ void BatchedKernel::attach_grad_nodes(
           }
           attach(id, in_here, out_here);
         }
-        unwrap_wrapper_level(in, id);
-        unwrap_wrapper_level(out, id);
+        unwrap_wrapper_level(in, layer);
+        unwrap_wrapper_level(out, layer);
         mode = functorch::prev_grad_mode(layer);
         break;
       }
@@ -438,15 +443,12 @@ void BatchedKernel::attach_grad_nodes(
         if (state_->has_jvp.load()) {
           set_custom_tangents(id, in, out, frames, args, arg_slots);
         }
-        unwrap_wrapper_level(in, id);
-        unwrap_wrapper_level(out, id);
+        unwrap_wrapper_level(in, layer);
+        unwrap_wrapper_level(out, layer);
         break;
-      default:
-        TORCH_CHECK_NOT_IMPLEMENTED(
-            false,
-            "torch_autobatch: vmap of ",
-            state_->qualname,
-            " inside torch.func.functionalize is not supported yet.");
+      default: // Functionalize: nothing to attach, look through it
+        unwrap_wrapper_level(in, layer);
+        unwrap_wrapper_level(out, layer);
     }
   }
   if (mode) {
@@ -502,7 +504,7 @@ void BatchedKernel::attach_grad_nodes(
     if (layer.key() == TransformType::Grad) {
       hand_over(id);
     }
-    unwrap_wrapper_level(saved, id);
+    unwrap_wrapper_level(saved, layer);
   }
   hand_over(-1);
 }

@@ -5,6 +5,7 @@
 // every torch release.
 #pragma once
 
+#include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/functorch/DynamicLayer.h> // needs csrc/shim: NOTE [nlohmann stub]
 #include <ATen/functorch/PlumbingHelper.h>
@@ -28,6 +29,16 @@ inline bool prev_grad_mode(const DynamicLayer& layer) {
 inline at::Tensor unwrap_grad_level(const at::Tensor& t, int64_t level) {
   auto* w = at::functorch::maybeGetTensorWrapper(t);
   return (w != nullptr && w->level() == level) ? w->value() : t;
+}
+
+// `t` seen from below a Functionalize level: the wrapped value of a
+// FunctionalTensorWrapper of `level`, else `t` itself.
+inline at::Tensor unwrap_functionalize_level(const at::Tensor& t, int64_t level) {
+  if (!at::functionalization::impl::isFunctionalTensor(t)) {
+    return t;
+  }
+  auto* w = at::functionalization::impl::unsafeGetFunctionalWrapper(t);
+  return w->level() == level ? w->value() : t;
 }
 
 inline bool is_wrapped_at(const at::Tensor& t, int64_t level) {
