@@ -7,8 +7,14 @@ in csrc/autograd.cpp):
   ``device_types`` / ``register_kernel``): the user's Python function;
 - ``Meta`` / fake: ``register_fake``'s function, or by default the user's
   function itself run on fake tensors;
-- ``Autograd``: our C++ kernel, which runs the backend once below autograd and
-  attaches a grad node calling the registered backward.
+- ``Autograd``: our C++ kernel, which runs the backend once below autograd,
+  attaches a grad node calling the registered backward, and sets output
+  tangents in forward mode (NOTE [Forward mode] in csrc/autograd.cpp);
+- ``FuncTorchBatched``: our C++ kernel, which runs the function once on
+  batched tensors and attaches the grad nodes at every level below
+  (NOTE [Free batching rule] in csrc/batched.cpp).
+
+The private methods at the end are the Python half of those kernels.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, 
 import torch
 from torch._library.infer_schema import infer_schema
 
+from torch._functorch.autograd_function import VmapInfo
+
 from . import _C
 from ._autograd import BackwardContext, run_backward, run_jvp
-from torch._functorch.autograd_function import VmapInfo
 
 # Batched-kernel modes (csrc/autobatch.h VmapMode) and functorch's
 # RandomnessType order (ATen/functorch/Interpreter.h).
