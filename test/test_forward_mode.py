@@ -190,6 +190,15 @@ class TestCustomJvp(TestCase):
         self.assertEqual(tb_only, tb)
 
 
+class TestOpcheck(TestCase):
+    def test_opcheck(self):
+        x = randn(3, 4).requires_grad_()
+        y = randn(3, 4).requires_grad_()
+        for op in (f, derived):
+            torch.library.opcheck(op.opoverload, (x, y))
+        torch.library.opcheck(two.opoverload, (x.detach(), 2.0))
+
+
 class TestDerivedJvp(TestCase):
     """No jvp registered: forward mode is the forward-mode AD of the op's function."""
 
