@@ -5,7 +5,10 @@ Public API:
 - :func:`custom_op` — a drop-in for :func:`torch.library.custom_op`;
 - :class:`CustomOpDef` — the operator it returns (``register_autograd``,
   ``register_fake``, ``register_kernel``);
-- :class:`BackwardContext` — the ``ctx`` of ``setup_context`` and ``backward``.
+- :class:`BackwardContext` — the ``ctx`` of ``setup_context``, ``backward`` and ``jvp``;
+- :func:`trace` — records the aten ops run in forward *and* backward (``print(t)``, ``t.to_fx()``);
+- :func:`current_trace` — the trace recording this thread's ops, or None;
+- :class:`Trace` — what :func:`trace` returns.
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -22,6 +25,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
+from ._tracer import Trace, current_trace, trace
 
-__all__ = ["BackwardContext", "CustomOpDef", "custom_op"]
+__all__ = ["BackwardContext", "CustomOpDef", "Trace", "current_trace", "custom_op", "trace"]
 __version__ = "0.1.0"

@@ -4,23 +4,44 @@ Public API (exported from ``torch_autobatch``):
 
 - :func:`trace` — a context manager that records, on the current thread only,
   every dispatcher op run inside it, and every op that the backward of the
-  autograd nodes created inside it runs, wherever and whenever that backward
-  runs;
-- :func:`current_trace` — the trace that records the current thread's ops;
+  autograd nodes created inside it runs, wherever and whenever that runs;
+- :func:`current_trace` — the trace that records the current thread's ops now;
 - :class:`Trace` — the recording: ``print(t)`` lists it, ``t.to_fx()`` makes
-  :class:`torch.fx.GraphModule` s that replay it.
+  :class:`torch.fx.GraphModule` s that replay it (:class:`TraceGraphs`).
 
-How it works, in one paragraph per mechanism (the notes below hold the why):
+The mechanisms, and the notes that explain them:
 
-- Forward: entering :func:`trace` pushes a :class:`_Recorder`, a
-  ``TorchDispatchMode``, onto *this thread's* dispatch-mode stack. It sees
-  every aten op below autograd, and a dispatcher custom op (e.g. one made by
-  :func:`torch_autobatch.custom_op`) as one op, never its decomposition.
-- Autograd nodes: after each recorded op, the ``grad_fn`` of its outputs is
-  tagged (``node.metadata["torch_autobatch_trace"]``) and given a pre-hook.
-  See NOTE [Finding the nodes an op created].
-- Backward: the pre-hook pushes a :class:`_Recorder` for that node on
-  whatever thread runs it. See NOTE [Why a node pre-hook and no post-hook].
+- forward: :func:`trace` pushes a :class:`_Recorder` (a ``TorchDispatchMode``)
+  on *this thread's* dispatch-mode stack. Below autograd, it sees every aten
+  op, and a dispatcher custom op (e.g. from :func:`torch_autobatch.custom_op`)
+  as one op: while a recorder runs an op the mode is off the stack, so the
+  op's own implementation is never recorded;
+- nodes: the grad_fn of each recorded op's outputs gets a hook
+  (NOTE [Finding the nodes an op created], NOTE [How a node is hooked]);
+- backward: that hook pushes a :class:`_Recorder` for the node on whatever
+  thread runs it (NOTE [Why a node pre-hook and no post-hook]);
+- state: NOTE [Thread-local tracing state]; cost: NOTE [Cost of recording];
+  lifetime: NOTE [What a Trace holds].
+
+Known limits:
+
+- cost: every op pays a trip into Python (a pass-through ``TorchDispatchMode``
+  alone doubles a small MLP's step), plus the recording, plus one hook per
+  autograd node; see ``benchmarks/bench_tracer.py``;
+- an ``AccumulateGrad`` is listed as ``%w.grad += %k``; the op that stores
+  ``.grad`` is not recorded, so a backward that reads ``.grad`` (reentrant
+  checkpointing) sees it as an input;
+- a Python scalar that flows between ops (``.item()``) is recorded as the
+  constant it was;
+- nodes made at a ``torch.func`` transform's level are not hooked: their
+  backward is recorded only while a block is active on the thread that runs
+  it, as an untraced node;
+- the trace sees what reaches the dispatcher's Python key: higher-order ops
+  (``torch.cond``) are refused by ``TorchDispatchMode`` and ``torch.compile``
+  runs eagerly while a block is active (Dynamo skips frames when a mode is on
+  the stack);
+- it relies on torch internals named in the notes (``torch._C`` mode-stack,
+  graph-task and hook functions), as of torch 2.13.
 """
 
 from __future__ import annotations
@@ -40,7 +61,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["Trace", "TraceGraphs", "current_trace", "trace"]
 
 _Tensor = torch.Tensor
-_ref = weakref.ref
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 _graph_task_id = torch._C._current_graph_task_id
 _current_node = torch._C._current_autograd_node
@@ -49,23 +69,21 @@ _push_mode = torch._C._push_on_torch_dispatch_stack
 _pop_mode = torch._C._pop_torch_dispatch_stack
 _stack_len = torch._C._len_torch_dispatch_stack
 _stack_at = torch._C._get_dispatch_stack_at
+_EMPTY: dict[str, Any] = {}  # shared "no kwargs"; never mutated
 
-#: ``node.metadata`` key of an autograd node created while tracing: ``(trace, node index)``.
-NODE_KEY = "torch_autobatch_trace"
-_ACC_KEY = "torch_autobatch_trace_accumulate_grad"
-_acc_lock = threading.Lock()
+_ACC_KEY = "torch_autobatch_trace"  # AccumulateGrad node.metadata key: our hook is on it
 
 # NOTE [Thread-local tracing state]
 # Everything that says "this thread is tracing" lives in two thread-local
 # places, and both are restored on every exit path:
 #   - the dispatch-mode stack (C++, per thread): a _Recorder on it is what
-#     records. trace() pops its own in `finally`; a node's pre-hook pushes one
-#     that the autograd engine itself removes when the node is done, even when
-#     the node raises (see NOTE [Why a node pre-hook and no post-hook]);
-#   - `_tls` below: the active trace() blocks, the `busy` flag (set only while
+#     records. trace() pops its own in `finally`; a node's hook pushes one that
+#     the autograd engine itself removes when the node is done, even when the
+#     node raises (NOTE [Why a node pre-hook and no post-hook]);
+#   - `_tls` below: the `busy` flag (set only while
 #     a _Recorder that has another one under it runs an op, reset in
 #     `finally`), and work left for the next op. It holds tensors and traces
-#     only weakly.
+#     only weakly, so a stale entry (after an exception) keeps nothing alive.
 # torch.utils._python_dispatch.is_in_torch_dispatch_mode() is process-global
 # and its save/restore races between threads, so the modes are pushed with
 # torch._C._push_on_torch_dispatch_stack directly, never with `with mode:`.
@@ -73,34 +91,45 @@ _acc_lock = threading.Lock()
 
 class _State(threading.local):
     def __init__(self) -> None:
-        self.blocks: list[Trace] = []  # trace() blocks active on this thread, innermost last
         self.busy = False  # a _Recorder runs an op: the _Recorders under it pass it through
-        # (weakref to Trace, output value(s), in-place-on-view flag): the last recorded op,
-        # whose outputs' grad_fn are tagged at the next op.
-        self.pending: Optional[tuple[Any, Any, bool]] = None
-        self.task = -1  # graph task of the last traced node run on this thread ...
-        self.task_trace: Callable[[], Optional[Trace]] = lambda: None  # ... and its trace
+        # The outputs of the last op recorded with grad mode on, the weakref of its
+        # trace, and of the base of the view it modified in place, if it did: their
+        # grad_fn are hooked at the next op.
+        self.pending: Any = None
+        self.pending_trace: Callable[[], Optional[Trace]] = _dead
+        self.pending_base: Optional[Callable[[], Optional[_Tensor]]] = None
+        # graph task id -> weakref to the trace of the last traced node run in it here
+        self.task_traces: dict[int, Callable[[], Optional[Trace]]] = {}
         self.flush_task = -1  # graph task for which a flush callback is queued
+        self.dummy: Optional[_Tensor] = None  # see NOTE [How a node is hooked]
+
+
+def _dead() -> None:
+    return None
 
 
 _tls = _State()
 
 
-class _Value:
-    """One recorded tensor value. Holds no tensor (``ref`` is a weak reference).
+class _Value(weakref.ref):
+    """One recorded tensor value: a weak reference to the tensor, and what to print.
 
-    Values are SSA: an in-place op's output is a new value. ``num >= 0``: the
-    output numbered ``num`` (``%num``); ``num < 0``: an input (:class:`_Input`).
-    ``node``, once set, is the index of the autograd node whose grad_fn it is.
+    Values are SSA: an in-place op's output is a new value of the same tensor.
+    ``num >= 0``: the output numbered ``num`` (``%num``); ``num < 0``: an input
+    (:class:`_Input`). ``node``: the index of the hooked autograd node that is
+    the tensor's grad_fn, or None; ``seq``: the sequence number of the grad_fn
+    it was last seen with, or None (see `_hook_input_node`). Compared and
+    hashed by identity, never by referent.
     """
 
-    __slots__ = ("num", "ref", "shape", "dtype", "node")
+    __slots__ = ("num", "shape", "dtype", "node", "seq")
+    __hash__ = object.__hash__
 
-    def __init__(self, num: int, ref: Any, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.num = num
-        self.ref = ref
-        self.shape = shape
-        self.dtype = dtype
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
 
     def __str__(self) -> str:
         return f"%{self.num}"
@@ -118,22 +147,25 @@ class _Input(_Value):
 
 
 class _Group:
-    """Where recorded ops belong: the forward, or one run of one node's backward."""
+    """The header recorded ops are listed under: the forward, or one run of one node.
 
-    __slots__ = ("pass_no", "name", "index", "leaf")
+    Holds no reference to a trace or a node (a trace holds its groups).
+    """
 
-    def __init__(self, pass_no: int, name: str, index: Optional[int] = None,
-                 leaf: Optional[_Value] = None) -> None:
-        self.pass_no = pass_no  # 0: forward; k: the k-th backward call that ran this trace's nodes
+    __slots__ = ("pass_no", "name", "index")
+
+    def __init__(self, pass_no: int, name: str, index: Any = None) -> None:
+        self.pass_no = pass_no  # 0: forward; k: the k-th backward call that ran this trace
         self.name = name
-        self.index = index
-        self.leaf = leaf
+        self.index = index  # a traced node's index in the trace, or an AccumulateGrad's leaf
 
     @property
     def label(self) -> str:
-        if self.leaf is not None:
-            return f"{self.name} ({self.leaf})"
-        return self.name if self.index is None else f"{self.name} (node {self.index})"
+        if self.index is None:
+            return self.name
+        if isinstance(self.index, _Value):
+            return f"{self.name} ({self.index})"
+        return f"{self.name} (node {self.index})"
 
 
 class _Accumulate:
@@ -145,18 +177,22 @@ class _Accumulate:
 
 _ACCUMULATE = _Accumulate()
 
+# An entry of Trace._entries is one list: [group, func, kwargs, outputs, *args].
+_GROUP, _FUNC, _KWARGS, _OUTS, _ARGS = 0, 1, 2, 3, 4
+
 
 # ------------------------------------------------------------------ recording
 class _Recorder(TorchDispatchMode):
     """Records every op that reaches it into ``trace``, under ``group``.
 
-    ``group`` is None for the mode of a :func:`trace` block: its ops are the
-    forward (or, inside a backward that no traced node started, that node's).
-    ``shadows``: another _Recorder is under this one on the stack; it must not
-    record what this one records (it sees the ops this one runs).
+    Pushed by a :func:`trace` block (``group`` None: its ops are the forward,
+    or, inside a backward no traced node started, that node's), or by a traced
+    node's hook (``group``: that node in that backward call). ``shadows``:
+    another _Recorder is under this one on the stack; that one must not record
+    what this one records (it sees the ops this one runs).
     """
 
-    def __init__(self, trace: Trace, group: Optional[_Group]) -> None:
+    def __init__(self, trace: Trace, group: Optional[_Group] = None) -> None:
         # NB: no super().__init__(): its state serves only `with mode:`, which we never use.
         self.trace = trace
         self.group = group
@@ -169,13 +205,19 @@ class _Recorder(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # NOTE [Cost of recording]
+        # This runs for every op, so it does the least it can: name each tensor
+        # argument by one dict lookup (id -> _Value, checked by calling the
+        # weak reference), make one _Value per output, append one list. Text
+        # waits until the trace is printed; finding autograd nodes waits until
+        # the next op (NOTE [Finding the nodes an op created]). Every object
+        # kept per op is one more for the cyclic GC to scan, so there are three:
+        # the _Value (which is the weak reference), its torch.Size, the entry.
         tls = _tls
         if tls.busy:  # a _Recorder above this one records this op
             return func(*args, **kwargs) if kwargs else func(*args)
-        pending = tls.pending
-        if pending is not None:
-            tls.pending = None
-            _tag_outputs(*pending)
+        if tls.pending is not None:
+            _flush(tls)
         if self.shadows:
             tls.busy = True
             try:
@@ -185,38 +227,47 @@ class _Recorder(TorchDispatchMode):
         else:
             out = func(*args, **kwargs) if kwargs else func(*args)
 
-        # Record. This is the hot path: see NOTE [Cost of recording].
         trace = self.trace
         ids = trace._ids
         grad = _grad_enabled()
-        rargs = []
-        for a in args:
-            if isinstance(a, _Tensor):
-                v = ids.get(id(a))
-                if v is None or v.ref() is not a:
-                    v = trace._new_input(a)
-                elif grad and a._is_view():
-                    _tag_view_input(trace, a)
-                rargs.append(v)
-            elif (type(a) is list or type(a) is tuple) and a and type(a[0]) is not int:
-                rargs.append(trace._map(a))
-            else:
-                rargs.append(a)
-        if kwargs:
-            kwargs = {k: trace._map(a) for k, a in kwargs.items()}
-        if isinstance(out, _Tensor):
-            outs: Any = _Value(trace._next_num(), _ref(out), out.shape, out.dtype)
-            ids[id(out)] = outs
-        elif type(out) is tuple or type(out) is list:
-            outs = tuple(trace._output(o) if isinstance(o, _Tensor) else o for o in out)
-        else:
-            outs = out
         group = self.group
         if group is None:
             group = trace._forward if _graph_task_id() == -1 else trace._untraced_group()
-        trace._entries.append((group, func, rargs, kwargs, outs))
-        if grad:
-            tls.pending = (trace._weakself, outs, out is args[0] if args else False)
+        entry = [group, func, trace._map_kwargs(kwargs) if kwargs else _EMPTY, None]
+        for a in args:
+            if isinstance(a, _Tensor):
+                v = ids.get(id(a))
+                if v is None or v() is not a:
+                    v = trace._new_input(a)
+                if grad and (v.node is None or a._is_view()):
+                    fn = a.grad_fn
+                    if fn is not None and fn._sequence_nr() != v.seq:
+                        _hook_input_node(trace, v, fn)
+                entry.append(v)
+            elif (type(a) is list or type(a) is tuple) and a and type(a[0]) is not int:
+                entry.append(trace._map(a))
+            else:
+                entry.append(a)
+        if isinstance(out, _Tensor):
+            v = _Value(out)
+            v.num = trace._next_num()
+            v.shape = out.shape
+            v.dtype = out.dtype
+            v.node = v.seq = None
+            ids[id(out)] = v
+            entry[_OUTS] = v
+        elif type(out) is tuple or type(out) is list:
+            entry[_OUTS] = v = tuple(trace._output(o) if isinstance(o, _Tensor) else o
+                                     for o in out)
+        else:
+            entry[_OUTS] = v = out
+        trace._entries.append(entry)
+        if grad or self.group is None:  # (grad off: the output of a Function.forward, maybe)
+            tls.pending = v
+            tls.pending_trace = trace._weakself
+            # An in-place op on a view: its base gets a CopySlices (the view may be freed).
+            tls.pending_base = (weakref.ref(out._base)
+                                if args and out is args[0] and out._is_view() else None)
         return out
 
 
@@ -229,76 +280,81 @@ def _recorder_on_stack() -> Optional[_Recorder]:
     return None
 
 
-def _tag_outputs(trace_ref: Any, outs: Any, inplace: bool) -> None:
+def _flush(tls: _State) -> None:
     """Tags the grad_fn of the last recorded op's outputs, now that autograd has set them.
 
     NOTE [Finding the nodes an op created]
     The mode sits below autograd: an op's outputs get their grad_fn only after
-    the mode returns. So each recorded op leaves its outputs in `_tls.pending`
-    and the next op (or the end of the block, or the next node's pre-hook, or
-    the end of a create_graph backward) tags them. Every node is the grad_fn of
-    some op's output at that moment: C++ composites (linear, matmul) reach the
-    mode op by op, and a view op's output is the very tensor autograd returns.
-    Two kinds of nodes are nobody's grad_fn then:
+    the mode returns. So each op recorded with grad mode on leaves its outputs
+    in `_tls.pending`, and the next op (or the end of the block, or the next
+    node's hook, or the end of a create_graph backward) tags them. Every node
+    is the grad_fn of some op's output at that moment: C++ composites (linear,
+    matmul) reach the mode op by op, and a view op's output is the very tensor
+    autograd returns. A new output's grad_fn is a new node, so no mark is
+    needed to hook each node once (a mark in ``node.metadata`` would cost a
+    dict per node). Two kinds of nodes are nobody's output's grad_fn then:
       - the CopySlices made by an in-place op on a view is the grad_fn of the
-        view's *base*: it is tagged from there. (Hooks on the node CopySlices
+        view's *base*: it is hooked from there. (Hooks on the node CopySlices
         wraps never fire; CopySlices' do.)
-      - a view whose base was later modified in place gets a new grad_fn when
-        it is next used: views are checked when they are an op's input
-        (`_tag_view_input`).
+      - a view whose base was since modified in place gets a new grad_fn when
+        it is next used, and torch.autograd.Function.apply attaches its node
+        after its forward ran (with grad mode off, so the forward's last op
+        leaves its outputs here too): an op's inputs are checked by the
+        sequence number of their grad_fn (`_hook_input_node`).
     """
-    trace = trace_ref()
+    outs = tls.pending
+    tls.pending = None
+    trace = tls.pending_trace()
     if trace is None:
         return
+    if tls.pending_base is not None:
+        base = tls.pending_base()
+        tls.pending_base = None
+        fn = None if base is None else base.grad_fn
+        if fn is not None:
+            trace._tag(fn)
     if type(outs) is _Value:
-        t = outs.ref()
+        t = outs()
         if t is None:
             return
         fn = t.grad_fn
         if fn is not None:
-            md = fn.metadata
-            if NODE_KEY not in md:
-                outs.node = trace._tag(fn, md)
-        if inplace and t._is_view():
-            base = t._base
-            fn = None if base is None else base.grad_fn
-            if fn is not None:
-                md = fn.metadata
-                if NODE_KEY not in md:
-                    trace._tag(fn, md)
+            outs.node = trace._tag(fn)
+            outs.seq = fn._sequence_nr()
     elif type(outs) is tuple:
+        seen: list[tuple[Any, int]] = []  # the node wrappers stay alive, so `is` is exact
         for v in outs:
             if type(v) is _Value:
-                t = v.ref()
+                t = v()
                 fn = None if t is None else t.grad_fn
                 if fn is not None:
-                    md = fn.metadata
-                    tag = md.get(NODE_KEY)
-                    v.node = trace._tag(fn, md) if tag is None else tag[1]
+                    index = next((i for f, i in seen if f is fn), None)
+                    if index is None:
+                        index = trace._tag(fn)
+                        seen.append((fn, index))
+                    v.node = index
+                    v.seq = fn._sequence_nr()
 
 
-def _tag_view_input(trace: Trace, a: _Tensor) -> None:
-    fn = a.grad_fn
-    if fn is not None:
-        md = fn.metadata
-        if NODE_KEY not in md:
-            trace._tag(fn, md)
+def _hook_input_node(trace: Trace, v: _Value, fn: Any) -> None:
+    """Hooks ``fn``, an op input's grad_fn that is not the one ``v`` was last seen with.
 
-
-def _flush(tls: _State) -> None:
-    pending = tls.pending
-    if pending is not None:
-        tls.pending = None
-        _tag_outputs(*pending)
+    A node created since then: the one ``torch.autograd.Function.apply``
+    attaches after its (recorded, grad-mode-off) forward, or the new grad_fn
+    of a view whose base was modified in place.
+    """
+    v.node = trace._tag(fn)
+    v.seq = fn._sequence_nr()
 
 
 def _flush_callback() -> None:
     tls = _tls
     tls.flush_task = -1
-    _flush(tls)
+    if tls.pending is not None:
+        _flush(tls)
 
 
-def _node_prehook(trace: Trace, index: int, name: str, grad_outputs: Any) -> None:
+def _node_hook(trace: Trace, index: int, name: str, grad: Any) -> None:
     """Runs before a traced node's backward, on the thread that runs it.
 
     NOTE [Why a node pre-hook and no post-hook]
@@ -307,52 +363,114 @@ def _node_prehook(trace: Trace, index: int, name: str, grad_outputs: Any) -> Non
     and restores the thread-local state, dispatch-mode stack included. A mode
     pushed here therefore records exactly that node's work (the gradient
     additions the engine does for it included), and is gone when the node is
-    done, whether it returned or raised: no post-hook, nothing to undo.
+    done, whether it returned or raised: no post-hook, nothing to undo. That
+    guard is also why one hook per node is needed: nothing pushed in one node
+    survives into the next.
     """
     tls = _tls
     if tls.pending is not None:
         _flush(tls)
     task = _graph_task_id()
-    tls.task = task
-    tls.task_trace = trace._weakself
+    task_traces = tls.task_traces
+    task_traces[task] = trace._weakself
+    if len(task_traces) > 64:  # ids only grow: keep the recent tasks (and any running one)
+        for old in sorted(task_traces)[:-16]:
+            del task_traces[old]
     if tls.flush_task != task and _grad_enabled():
         # create_graph=True: the last op's outputs get nodes, to tag after the last node.
         tls.flush_task = task
         torch.autograd.Variable._execution_engine.queue_callback(_flush_callback)
-    _push_mode(_Recorder(trace, _Group(trace._pass_of(task), name, index)))
+    pass_no = trace._passes.get(task) or trace._pass_of(task)
+    _push_mode(_Recorder(trace, _Group(pass_no, name, index)))
 
 
-def _accumulate_grad_prehook(grad_outputs: Any) -> None:
-    """Runs before an ``AccumulateGrad`` node that a traced node feeds.
+_HAS_HOOK_DICT = (hasattr(_AccumulateGrad, "_register_hook_dict")  # C++ nodes
+                  and hasattr(torch._C._FunctionBase, "_register_hook_dict"))  # Function's
+
+
+def _hook_node(fn: Any, hook: Callable[[Any], None]) -> None:
+    """Registers ``hook(grad)`` to run before node ``fn``'s backward.
+
+    NOTE [How a node is hooked]
+    ``fn.register_prehook`` builds an OrderedDict and a RemovableHandle in
+    Python for every node (~3 us, the largest per-node cost). A node's
+    *tensor* pre-hook dict, registered with ``fn._register_hook_dict(t)`` (what
+    ``Tensor.register_hook`` uses), runs at the same point under the same
+    guard; it takes the dict from ``t._backward_hooks``, so a per-thread empty
+    tensor lends it and is cleared at once (~0.6 us). It runs for any node but
+    AccumulateGrad, whose tensor pre-hooks are its leaf's; those get
+    ``register_prehook``.
+    """
+    if not _HAS_HOOK_DICT:
+        fn.register_prehook(lambda grads: hook(grads[0] if grads else None))
+        return
+    tls = _tls
+    dummy = tls.dummy
+    if dummy is None:
+        with torch._C._DisableTorchDispatch():  # not an op to record
+            dummy = tls.dummy = torch.empty(0)
+    dummy._backward_hooks = {0: hook}
+    try:
+        fn._register_hook_dict(dummy)
+    finally:
+        dummy._backward_hooks = None
+
+
+def _accumulate_grad_hook(grad_outputs: Any) -> None:
+    """Runs before an ``AccumulateGrad`` node that a traced node feeds: records ``leaf.grad += g``.
 
     AccumulateGrad nodes belong to the leaf, not to one graph: two traces (two
     threads) may run the same one. So it carries one shared hook, and the run
     is attributed to the trace of the last traced node that ran in the same
-    backward call on this thread (``torch._C._current_graph_task_id()``).
+    backward call on this thread (``torch._C._current_graph_task_id()``); the
+    engine runs an AccumulateGrad right after the node that feeds it (it has
+    the highest priority), so that is the node that fed it. The ops that store
+    ``.grad`` (a detach, a copy or an in-place add) are not recorded: the
+    ``+=`` line says what they do.
     """
     tls = _tls
     if tls.pending is not None:
         _flush(tls)
     task = _graph_task_id()
-    if task != tls.task:
-        return
-    trace = tls.task_trace()
-    if trace is None:
+    trace_ref = tls.task_traces.get(task)
+    trace = None if trace_ref is None else trace_ref()
+    grad = grad_outputs[0]
+    if trace is None or grad is None:
         return
     leaf = trace._value(_current_node().variable)
-    group = _Group(trace._pass_of(task), "AccumulateGrad", None, leaf)
-    grad = grad_outputs[0]
-    if grad is not None:
-        trace._entries.append((group, _ACCUMULATE, (leaf, trace._value(grad)), {}, None))
-    _push_mode(_Recorder(trace, group))
+    group = _Group(trace._pass_of(task), "AccumulateGrad", leaf)
+    trace._entries.append([group, _ACCUMULATE, _EMPTY, None, leaf, trace._value(grad)])
+    if _stack_len() > 0 and _recorder_on_stack() is not None:
+        _push_mode(_SILENCER)  # a trace() block active here must not record this node
 
 
-def _hook_accumulate_grad(node: Any) -> None:
-    with _acc_lock:
-        md = node.metadata
-        if _ACC_KEY not in md:
-            md[_ACC_KEY] = True
-            node.register_prehook(_accumulate_grad_prehook)
+class _Silencer(TorchDispatchMode):
+    """Runs ops so that the _Recorders under it do not record them."""
+
+    def __init__(self) -> None:  # no state: one instance serves every thread
+        pass
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        tls = _tls
+        busy, tls.busy = tls.busy, True
+        try:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        finally:
+            tls.busy = busy
+
+
+_SILENCER = _Silencer()
+
+
+def _hook_accumulate_grad(node: Any, md: dict[str, Any]) -> None:
+    """Puts the shared hook on AccumulateGrad ``node`` (metadata ``md``) once, whoever asks first."""
+    mark = object()
+    if md.setdefault(_ACC_KEY, mark) is mark:  # one C call: atomic under the GIL
+        node.register_prehook(_accumulate_grad_hook)
 
 
 # ---------------------------------------------------------------------- Trace
@@ -361,8 +479,8 @@ _DTYPE_ABBR = {
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
     torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
 }
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
-_AUTO_NAME_RE = re.compile(r"arg\d+\Z")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]*\Z")  # as in module parameter names
+_RESERVED_NAME_RE = re.compile(r"(arg)?\d+\Z|.*\.grad\Z")  # %3, %arg3, %w.grad
 
 
 def _type_str(v: _Value) -> str:
@@ -373,12 +491,13 @@ class Trace:
     """The ops one :func:`trace` block ran, and the ops its autograd nodes' backward ran.
 
     ``str(t)`` (``print(t)``) is a stable listing: the inputs, the forward ops,
-    then each backward call (``backward 1``, ``backward 2``, ...) with the ops
+    then each backward call (``backward 1``, ``backward 2``, ...) with its ops
     grouped by the autograd node that ran them, in the order they ran::
 
         inputs:
           %x: f32[2, 3]
           %w: f32[3, 4] requires_grad
+          %arg0: f32[]
         forward:
           %0 = aten.mm.default(%x, %w)  # f32[2, 4], node 0
           %1 = aten.sum.default(%0)  # f32[], node 1
@@ -390,30 +509,30 @@ class Trace:
             %4 = aten.mm.default(%3, %2)  # f32[3, 4]
           AccumulateGrad (%w):
             %w.grad += %4
-            %5 = aten.detach.default(%4)  # f32[3, 4]
 
-    Values are ``%0, %1, ...`` in recording order (an in-place op gets a new
-    number); inputs (tensors no recorded op made) are named by :func:`trace`'s
-    ``names`` or ``%arg0, %arg1, ...`` in order of first use. ``node k`` after
-    an op is the autograd node that differentiates it (``node.metadata
-    ["torch_autobatch_trace"]`` of that node holds ``k``).
+    Values are ``%0, %1, ...`` in recording order (an in-place op gives its
+    tensor a new number). Inputs are the tensors no recorded op made, named
+    by :func:`trace`'s ``names`` or ``%arg0, %arg1, ...`` in order of first
+    use (``%arg0`` above is the gradient ``backward()`` starts from).
+    ``node k`` after an op is the autograd node (its grad_fn) that
+    differentiates it, and heads that node's backward below.
 
     NOTE [What a Trace holds]
-    A Trace holds no tensor that a recorded op made: only names, shapes and
-    dtypes. It holds the inputs without a ``grad_fn`` (parameters, data, the
-    gradient ``backward()`` starts from), so that :meth:`TraceGraphs.run` can
-    replay without arguments; inputs with a ``grad_fn`` are held weakly. The
-    autograd nodes created while tracing hold the Trace (through their
-    pre-hook and ``metadata``), and nothing in a Trace holds a node: freeing
-    the outputs and the Trace frees everything.
+    A Trace holds no tensor that a recorded op made: only weak references,
+    shapes and dtypes. It holds the inputs without a ``grad_fn`` (parameters,
+    data, the gradient ``backward()`` starts from), so that
+    :meth:`TraceGraphs.run` can replay with no arguments; inputs with a
+    ``grad_fn`` are held weakly. The autograd nodes created while tracing hold
+    the Trace (through their hook), and nothing in a Trace holds a node:
+    freeing the outputs and the Trace frees everything, with no cycle.
     """
 
     def __init__(self, names: Optional[Mapping[str, _Tensor]] = None) -> None:
-        self._weakself = _ref(self)
-        self._ids: dict[int, _Value] = {}  # id(tensor) -> its latest value (checked by .ref)
+        self._weakself = weakref.ref(self)
+        self._ids: dict[int, _Value] = {}  # id(tensor) -> its latest value (checked by calling)
         self._inputs: list[_Input] = []
         self._unnamed = 0  # inputs named %arg0, %arg1, ...
-        self._entries: list[tuple[Any, ...]] = []  # (group, func, args, kwargs, outputs)
+        self._entries: list[list[Any]] = []  # see _GROUP, _FUNC, _KWARGS, _OUTS, _ARGS
         self._next_num = itertools.count().__next__
         self._next_node = itertools.count().__next__
         self._forward = _Group(0, "forward")
@@ -427,22 +546,28 @@ class Trace:
     def _new_input(self, t: _Tensor, name: Optional[str] = None) -> _Input:
         with self._lock:
             v = self._ids.get(id(t))
-            if type(v) is _Input and v.ref() is t:
+            if type(v) is _Input and v() is t:
                 return v
-            v = _Input(-1 - len(self._inputs), _ref(t), t.shape, t.dtype)
+            v = _Input(t)
+            v.num = -1 - len(self._inputs)
+            v.shape = t.shape
+            v.dtype = t.dtype
             if name is None:
                 name = f"arg{self._unnamed}"
                 self._unnamed += 1
             v.name = f"%{name}"
             v.requires_grad = t.requires_grad
-            v.held = t if t.grad_fn is None else None
+            fn = t.grad_fn
+            v.held = t if fn is None else None
+            v.node = None
+            v.seq = None if fn is None else fn._sequence_nr()
             self._inputs.append(v)
             self._ids[id(t)] = v
             return v
 
     def _value(self, t: _Tensor) -> _Value:
         v = self._ids.get(id(t))
-        if v is None or v.ref() is not t:
+        if v is None or v() is not t:
             v = self._new_input(t)
         return v
 
@@ -453,20 +578,27 @@ class Trace:
             return type(a)(self._map(x) for x in a)
         return a
 
+    def _map_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: self._map(a) for k, a in kwargs.items()}
+
     def _output(self, t: _Tensor) -> _Value:
-        v = _Value(self._next_num(), _ref(t), t.shape, t.dtype)
+        v = _Value(t)
+        v.num = self._next_num()
+        v.shape = t.shape
+        v.dtype = t.dtype
+        v.node = v.seq = None
         self._ids[id(t)] = v
         return v
 
-    def _tag(self, fn: Any, md: dict[str, Any]) -> int:
+    def _tag(self, fn: Any) -> int:
         """Makes autograd node ``fn`` record its backward into this trace; returns its index."""
         index = self._next_node()
-        name = fn.name()
-        md[NODE_KEY] = (self, index)
-        fn.register_prehook(partial(_node_prehook, self, index, name))
+        _hook_node(fn, partial(_node_hook, self, index, fn.name()))
         for nxt, _ in fn.next_functions:
-            if type(nxt) is _AccumulateGrad and _ACC_KEY not in nxt.metadata:
-                _hook_accumulate_grad(nxt)
+            if type(nxt) is _AccumulateGrad:
+                md = nxt.metadata
+                if _ACC_KEY not in md:
+                    _hook_accumulate_grad(nxt, md)
         return index
 
     def _pass_of(self, task: int) -> int:
@@ -479,7 +611,7 @@ class Trace:
     def _untraced_group(self) -> _Group:
         """The group of an op a trace() block's mode sees inside a backward.
 
-        That is the backward of a node no trace tagged (one created before the
+        That is the backward of a node no trace hooked (one created before the
         block) that runs on this thread while the block is active.
         """
         task = _graph_task_id()
@@ -487,8 +619,8 @@ class Trace:
         key = (task, None) if node is None else (task, node.name(), node._sequence_nr())
         group = self._untraced.get(key)
         if group is None:
-            name = "(engine)" if node is None else f"{node.name()} (untraced node)"
-            group = self._untraced[key] = _Group(self._pass_of(task), name)
+            label = "(engine)" if node is None else f"{node.name()} (untraced node)"
+            group = self._untraced[key] = _Group(self._pass_of(task), label)
         return group
 
     # ----------------------------------------------------------------- public
@@ -502,7 +634,7 @@ class Trace:
                 f"Trace.name_of: expected a torch.Tensor, got {type(tensor).__name__}."
             )
         v = self._ids.get(id(tensor))
-        if v is None or v.ref() is not tensor:
+        if v is None or v() is not tensor:
             raise KeyError(
                 f"Trace.name_of: this tensor (shape {tuple(tensor.shape)}, dtype "
                 f"{tensor.dtype}) was neither made nor used by an op this trace recorded."
@@ -511,18 +643,18 @@ class Trace:
 
     @property
     def inputs(self) -> dict[str, Optional[_Tensor]]:
-        """Input name -> tensor (None if only held weakly and since freed), in order of first use."""
-        return {str(v): v.ref() for v in self._inputs}
+        """Input name -> tensor (None if held weakly and since freed), in order of first use."""
+        return {str(v): v() for v in self._inputs}
 
     def __len__(self) -> int:
-        """The number of recorded entries (ops, and ``AccumulateGrad`` pseudo-ops)."""
+        """The number of recorded entries (ops, and ``AccumulateGrad`` lines)."""
         return len(self._entries)
 
     def __repr__(self) -> str:
-        fwd = sum(1 for e in self._entries if e[0].pass_no == 0)
+        fwd = sum(1 for e in self._entries if e[_GROUP].pass_no == 0)
         return (
             f"<torch_autobatch.Trace: {len(self._inputs)} inputs, {fwd} forward ops, "
-            f"{len(self._passes)} backward calls, {len(self._entries) - fwd} backward ops>"
+            f"{len(self._passes)} backward calls, {len(self._entries) - fwd} backward entries>"
         )
 
     def __str__(self) -> str:
@@ -532,7 +664,8 @@ class Trace:
             lines.append(f"  {v}: {_type_str(v)}{rg}")
         lines.append("forward:")
         current_pass, current_group = 0, self._forward
-        for group, func, args, kwargs, outs in self._entries:
+        for entry in list(self._entries):
+            group = entry[_GROUP]
             if group is not current_group:
                 if group.pass_no != current_pass:
                     current_pass = group.pass_no
@@ -540,8 +673,7 @@ class Trace:
                 if group.pass_no:
                     lines.append(f"  {group.label}:")
                 current_group = group
-            indent = "    " if group.pass_no else "  "
-            lines.append(indent + _format_entry(func, args, kwargs, outs))
+            lines.append(("    " if group.pass_no else "  ") + _format_entry(entry))
         return "\n".join(lines)
 
     def to_fx(self) -> TraceGraphs:
@@ -551,33 +683,31 @@ class Trace:
 
 def _format_arg(a: Any) -> str:
     if type(a) is list or type(a) is tuple:
-        inner = ", ".join(_format_arg(x) for x in a)
-        return f"[{inner}]"
+        return f"[{', '.join(_format_arg(x) for x in a)}]"
     return str(a) if isinstance(a, _Value) else repr(a)
 
 
-def _format_entry(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: Any) -> str:
+def _format_entry(entry: list[Any]) -> str:
+    func, kwargs, outs, args = entry[_FUNC], entry[_KWARGS], entry[_OUTS], entry[_ARGS:]
     if func is _ACCUMULATE:
         return f"{args[0]}.grad += {args[1]}"
-    call = ", ".join([_format_arg(a) for a in args] + [f"{k}={_format_arg(a)}" for k, a in kwargs.items()])
-    call = f"{func}({call})"
+    parts = [_format_arg(a) for a in args] + [f"{k}={_format_arg(a)}" for k, a in kwargs.items()]
+    call = f"{func}({', '.join(parts)})"
     if type(outs) is _Value:
-        index = getattr(outs, "node", None)
-        node = "" if index is None else f", node {index}"
+        node = "" if outs.node is None else f", node {outs.node}"
         return f"{outs} = {call}  # {_type_str(outs)}{node}"
     if type(outs) is tuple:
-        vals = [o for o in outs if type(o) is _Value]
+        values = [o for o in outs if type(o) is _Value]
         lhs = ", ".join(str(o) if type(o) is _Value else "_" for o in outs)
-        types = ", ".join(_type_str(o) for o in vals)
-        nodes = sorted({o.node for o in vals if getattr(o, "node", None) is not None})
+        nodes = sorted({o.node for o in values} - {None})
         node = f", node {nodes[0]}" if nodes else ""
-        return f"{lhs or '_'} = {call}  # ({types}){node}"
-    return f"_ = {call}  # {outs!r}" if outs is not None else call
+        return f"{lhs or '_'} = {call}  # ({', '.join(_type_str(o) for o in values)}){node}"
+    return call if outs is None else f"_ = {call}  # {outs!r}"
 
 
 # --------------------------------------------------------------------- trace()
 class _TraceBlock:
-    """The context manager :func:`trace` returns."""
+    """The context manager :func:`trace` returns; ``__enter__`` gives the :class:`Trace`."""
 
     def __init__(self, names: Optional[Mapping[str, _Tensor]]) -> None:
         self._names = names
@@ -585,26 +715,24 @@ class _TraceBlock:
         self._mode: Optional[_Recorder] = None
 
     def __enter__(self) -> Trace:
-        if self._mode is not None:
+        if self._trace is not None:
             raise RuntimeError(
-                "torch_autobatch.trace(): this block is already active; call trace() "
+                "torch_autobatch.trace(): this block was already entered; call trace() "
                 "again for a new one."
             )
-        t = Trace(self._names)
-        self._names = None
-        self._trace, self._mode = t, _Recorder(t, None)
+        t = self._trace = Trace(self._names)
+        self._mode = _Recorder(t)
         _push_mode(self._mode)
-        _tls.blocks.append(t)
         return t
 
     def __exit__(self, *exc: Any) -> None:
         tls, mode = _tls, self._mode
         self._mode = None
         try:
-            _flush(tls)
+            if tls.pending is not None:
+                _flush(tls)
         finally:
-            tls.pending = None
-            tls.blocks.remove(self._trace)  # type: ignore[arg-type]
+            tls.pending = tls.pending_base = None
             _remove_mode(mode)
 
 
@@ -623,33 +751,23 @@ def _remove_mode(mode: Any) -> None:
 
 
 def _check_names(names: Any) -> Optional[dict[str, _Tensor]]:
+    where = "torch_autobatch.trace(names=...)"
     if names is None:
         return None
     if isinstance(names, torch.nn.Module):
-        named = dict(names.named_parameters())
-        named.update(names.named_buffers())
-        return named
-    if not isinstance(names, Mapping):
-        raise TypeError(
-            "torch_autobatch.trace(names=...): expected a mapping from name to tensor "
-            f"or an nn.Module, got {type(names).__name__}."
-        )
+        names = {**dict(names.named_parameters()), **dict(names.named_buffers())}
+    elif not isinstance(names, Mapping):
+        raise TypeError(f"{where}: expected a mapping from name to tensor or an nn.Module, "
+                        f"got {type(names).__name__}.")
     for name, t in names.items():
         if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ValueError(
-                f"torch_autobatch.trace(names=...): got the name {name!r}; names must be "
-                "identifiers, dots allowed (e.g. 'x', 'fc1.weight')."
-            )
-        if _AUTO_NAME_RE.match(name) or name.endswith(".grad"):
-            raise ValueError(
-                f"torch_autobatch.trace(names=...): the name {name!r} is reserved "
-                "(argN names unnamed inputs, .grad the gradients); choose another."
-            )
+            raise ValueError(f"{where}: got the name {name!r}; expected letters, digits, '_' "
+                             "and '.' (e.g. 'x', 'fc1.weight', '0.bias').")
+        if _RESERVED_NAME_RE.match(name):
+            raise ValueError(f"{where}: the name {name!r} is reserved (N names outputs, argN "
+                             "unnamed inputs, .grad gradients); choose another.")
         if not isinstance(t, _Tensor):
-            raise TypeError(
-                f"torch_autobatch.trace(names=...): expected a tensor for {name!r}, "
-                f"got {type(t).__name__}."
-            )
+            raise TypeError(f"{where}: expected a tensor for {name!r}, got {type(t).__name__}.")
     return dict(names)
 
 
@@ -665,27 +783,31 @@ def trace(names: Union[Mapping[str, _Tensor], torch.nn.Module, None] = None) -> 
         >>> graphs = t.to_fx()       # GraphModules that replay it
         >>> graphs.run()[t.name_of(loss)]
 
-    What is recorded (NOTE [Which trace records an op]):
+    NOTE [Which trace records an op]
 
-    - inside the block, every dispatcher op run on *this* thread (other threads
-      are never recorded), at the aten level: a ``torch_autobatch.custom_op``
-      (or any dispatcher op that is not CompositeImplicitAutograd) is one op;
-    - every autograd node created while an op is recorded remembers the trace
-      that recorded the op, and every op its backward runs is recorded into
-      that trace: after the block, on another thread, once per backward call
-      (``retain_graph=True``), and with ``create_graph=True`` the nodes that
-      backward creates are that trace's too (double backward is recorded);
-    - nested blocks: an op is recorded by exactly one trace, the innermost
-      active block on the thread (or, inside a backward, the node's trace).
-      The outer block records again once the inner one exits; it never sees
-      the inner block's ops, nor the backward of the inner block's nodes;
-    - a node created outside any block whose backward runs on this thread
+    - Inside the block, every dispatcher op run on *this* thread is recorded
+      (other threads are never recorded), at the aten level; a
+      ``torch_autobatch.custom_op`` (or any dispatcher op that is not
+      CompositeImplicitAutograd) is one op, never its decomposition.
+    - Every autograd node created by a recorded op remembers that op's trace,
+      and every op its backward runs is recorded into that trace: after the
+      block, on another thread, once per backward call (``retain_graph=True``);
+      with ``create_graph=True`` the nodes that backward creates belong to the
+      same trace, so double backward is recorded too. The gradient a leaf
+      receives is listed as ``%w.grad += %k``.
+    - Nested blocks: each op is recorded by exactly one trace: inside a traced
+      node's backward, that node's trace; otherwise the innermost block active
+      on the thread. The outer block records again from the moment the inner
+      one exits. What ran while the inner block was active (and the backward
+      of the inner block's nodes) is never added to the outer trace, which
+      sees the inner block's results as inputs (``%argN``).
+    - A node created outside any block whose backward runs on this thread
       while a block is active is recorded into that block, under
       ``<Name> (untraced node)``.
 
-    Nothing is changed when no block is active and no traced node runs: no
-    mode and no hook is installed. On exit (also by an exception) the block
-    removes its mode and restores the thread's tracing state.
+    When no block is active and no traced node runs, nothing is installed: no
+    mode, no hook. On exit, also by an exception, the block removes its mode
+    and restores the thread's tracing state.
 
     Args:
         names: optional names for input tensors (``{"x": x}``), or a module,
@@ -693,7 +815,7 @@ def trace(names: Union[Mapping[str, _Tensor], torch.nn.Module, None] = None) -> 
             Unnamed inputs are ``%arg0, %arg1, ...``.
 
     Returns:
-        a context manager whose ``__enter__`` returns the :class:`Trace`.
+        a context manager; ``with trace() as t`` binds ``t`` to the :class:`Trace`.
     """
     return _TraceBlock(_check_names(names))
 
@@ -743,24 +865,37 @@ class TraceGraphs:
         """The modules of the backward calls, in the order they ran."""
         return [m for m in self.modules if m.pass_no > 0]  # type: ignore[operator]
 
-    def __iter__(self) -> Iterator[torch.fx.GraphModule]:
-        return iter(self.modules)
-
     def __repr__(self) -> str:
         return f"<torch_autobatch.TraceGraphs: {len(self.modules)} modules>"
 
-    def run(self, inputs: Optional[Mapping[str, _Tensor]] = None) -> dict[str, _Tensor]:
+    def run(
+        self, inputs: Optional[Mapping[str, _Tensor]] = None, *, clone_inputs: bool = True
+    ) -> dict[str, _Tensor]:
         """Runs every module in order under ``torch.no_grad()``; returns all they return.
 
-        ``inputs`` maps input names (``"%x"`` or ``"x"``) to tensors; inputs not
-        given default to the tensors the trace holds (see NOTE [What a Trace
-        holds]). The gradients of a leaf from several backward calls are summed
-        into ``"%w.grad"``, as ``.grad`` accumulates them. In-place ops that the
-        trace recorded on its inputs are replayed on the given tensors.
+        Args:
+            inputs: input name (``"%x"`` or ``"x"``) -> tensor. Inputs not given
+                default to the tensors the trace holds (NOTE [What a Trace holds]).
+            clone_inputs: replay on clones of the inputs, so that the in-place
+                ops the trace recorded (a BatchNorm's running statistics, an
+                optimizer step) do not change the caller's tensors. Pass False
+                to replay on the tensors themselves (and keep their aliasing).
+
+        Returns:
+            value name -> tensor, for every value a module returns (see the
+            class doc). The gradients of a leaf from several backward calls are
+            summed into ``"%w.grad"``, as ``.grad`` accumulates them.
         """
         env: dict[str, Any] = {k: r() for k, r in self._defaults.items()}
         for k, t in (inputs or {}).items():
+            if not isinstance(k, str) or not isinstance(t, _Tensor):
+                raise TypeError(
+                    "TraceGraphs.run: expected inputs to map names to tensors, got "
+                    f"{type(k).__name__} -> {type(t).__name__}."
+                )
             env[k if k.startswith("%") else f"%{k}"] = t
+        if clone_inputs:
+            env = {k: None if t is None else t.detach().clone() for k, t in env.items()}
         with torch.no_grad():
             for gm in self.modules:
                 args = []
@@ -786,22 +921,28 @@ def _values_in(a: Any) -> Iterator[_Value]:
             yield from _values_in(x)
 
 
+def _uses(entry: list[Any]) -> Iterator[_Value]:
+    """The values an entry reads (an AccumulateGrad line reads its gradient, not its leaf)."""
+    if entry[_FUNC] is _ACCUMULATE:
+        return iter((entry[-1],))
+    return _values_in((entry[_ARGS:], tuple(entry[_KWARGS].values())))
+
+
 def _build_graphs(trace: Trace) -> TraceGraphs:
     # Segments: maximal runs of entries of one pass (forward = pass 0), in order.
-    segments: list[tuple[int, list[tuple[Any, ...]]]] = [(0, [])]
+    segments: list[tuple[int, list[list[Any]]]] = [(0, [])]
     for e in list(trace._entries):
-        if e[0].pass_no != segments[-1][0]:
-            segments.append((e[0].pass_no, []))
+        if e[_GROUP].pass_no != segments[-1][0]:
+            segments.append((e[_GROUP].pass_no, []))
         segments[-1][1].append(e)
 
     made: dict[_Value, int] = {}  # value -> segment that makes it
     last_use: dict[_Value, int] = {}  # value -> last segment that uses it
     for s, (_, entries) in enumerate(segments):
-        for _, func, args, kwargs, outs in entries:
-            used = args[1:] if func is _ACCUMULATE else (args, tuple(kwargs.values()))
-            for v in _values_in(used):
+        for e in entries:
+            for v in _uses(e):
                 last_use[v] = s
-            for v in _values_in(outs):
+            for v in _values_in(e[_OUTS]):
                 made[v] = s
 
     modules = []
@@ -809,9 +950,8 @@ def _build_graphs(trace: Trace) -> TraceGraphs:
         graph = torch.fx.Graph()
         nodes: dict[_Value, torch.fx.Node] = {}
         inputs: list[_Value] = []
-        for _, func, args, kwargs, outs in entries:
-            used = args[1:] if func is _ACCUMULATE else (args, tuple(kwargs.values()))
-            for v in _values_in(used):
+        for e in entries:
+            for v in _uses(e):
                 if made.get(v) != s and v not in nodes:
                     nodes[v] = graph.placeholder(_fx_name(str(v)))
                     inputs.append(v)
@@ -824,14 +964,18 @@ def _build_graphs(trace: Trace) -> TraceGraphs:
             return a
 
         results: dict[str, torch.fx.Node] = {}
-        for _, func, args, kwargs, outs in entries:
-            if func is _ACCUMULATE:
-                results[f"{args[0]}.grad"] = nodes[args[1]]
+        for e in entries:
+            func, outs = e[_FUNC], e[_OUTS]
+            if func is _ACCUMULATE:  # two runs in one module (threads): their sum
+                key, grad = f"{e[_ARGS]}.grad", nodes[e[-1]]
+                prev = results.get(key)
+                results[key] = grad if prev is None else graph.call_function(
+                    operator.add, (prev, grad))
                 continue
             name = _fx_name(str(outs)) if type(outs) is _Value else None
             node = graph.create_node(
-                "call_function", func, tuple(fx(args)), {k: fx(a) for k, a in kwargs.items()},
-                name=name,
+                "call_function", func, tuple(fx(e[_ARGS:])),
+                {k: fx(a) for k, a in e[_KWARGS].items()}, name=name,
             )
             if type(outs) is _Value:
                 nodes[outs] = node
@@ -842,10 +986,8 @@ def _build_graphs(trace: Trace) -> TraceGraphs:
                             "call_function", operator.getitem, (node, i), name=_fx_name(str(o))
                         )
         for v, node in nodes.items():
-            if made.get(v) == s and last_use.get(v, s) == s and v in last_use:
-                continue  # used only inside this module
-            if made.get(v) == s:
-                results[str(v)] = node
+            if made.get(v) == s and last_use.get(v, -1) != s:
+                results[str(v)] = node  # used later, or never: a result
         graph.output(results)
         gm = torch.fx.GraphModule(
             torch.nn.Module(), graph,
@@ -854,5 +996,4 @@ def _build_graphs(trace: Trace) -> TraceGraphs:
         gm.input_names = tuple(str(v) for v in inputs)  # type: ignore[assignment]
         gm.pass_no = pass_no  # type: ignore[assignment]
         modules.append(gm)
-    defaults = {str(v): v.ref for v in trace._inputs}
-    return TraceGraphs(modules, defaults)
+    return TraceGraphs(modules, {str(v): v for v in trace._inputs})
