@@ -11,11 +11,9 @@ transform. Which rule governs each level (README "Forward mode"):
   backward (2x).
 """
 
-from typing import Optional
-
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, linearize, vmap
+from torch.func import grad, hessian, jacfwd, jvp, linearize, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch

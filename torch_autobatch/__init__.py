@@ -8,7 +8,7 @@ Public API:
 - :class:`BackwardContext` — the ``ctx`` of ``setup_context``, ``backward`` and ``jvp``;
 - :func:`trace` — records the aten ops run in forward *and* backward (``print(t)``, ``t.to_fx()``);
 - :func:`current_trace` — the trace recording this thread's ops, or None;
-- :class:`Trace` — what :func:`trace` returns.
+- :class:`Trace` — what :func:`trace` returns; :class:`TraceGraphs` — what ``Trace.to_fx()`` returns.
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -25,7 +25,16 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
+from ._trace_fx import TraceGraphs
 from ._tracer import Trace, current_trace, trace
 
-__all__ = ["BackwardContext", "CustomOpDef", "Trace", "current_trace", "custom_op", "trace"]
+__all__ = [
+    "BackwardContext",
+    "CustomOpDef",
+    "Trace",
+    "TraceGraphs",
+    "current_trace",
+    "custom_op",
+    "trace",
+]
 __version__ = "0.1.0"
