@@ -350,6 +350,18 @@ class TestVmap(TestCase):
             vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x)
         )
 
+    def test_compile_of_transforms_honours_backward(self):
+        # torch.compile(grad(op)) must not bypass the registered (2x) backward.
+        x = randn(2, 3)
+        loss = lambda x: ruled(x).sum()  # noqa: E731
+        for fn, want in [
+            (grad(loss), 2 * torch.cos(x)),
+            (vmap(grad(loss)), 2 * torch.cos(x)),
+            (vmap(ruled), torch.sin(x)),
+        ]:
+            torch._dynamo.reset()
+            self.assertEqual(torch.compile(fn, backend="aot_eager")(x), want)
+
     def test_user_exception_in_composite_propagates(self):
         class MyError(Exception):
             pass
