@@ -83,7 +83,8 @@ bool looks_like_batching_failure(const std::string& msg) {
     return false; // vmap(..., randomness="error"): functorch's message is clear
   }
   for (const char* needle :
-       {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage"}) {
+       {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage",
+        "does not require grad"}) {
     if (msg.find(needle) != std::string::npos) {
       return true;
     }
@@ -201,7 +202,8 @@ class BatchedKernel final : public c10::OperatorKernel {
         " runs its function once on batched tensors, and that failed:\n  ",
         cause,
         "\nA function vmap can batch uses torch ops only: no .item(), "
-        ".tolist(), .numpy(), and no Python control flow on tensor values. "
+        ".tolist(), .numpy(), no Python control flow on tensor values, and no "
+        "autograd calls of its own (it runs with grad mode off). "
         "Two ways out: register a batching rule with ",
         name,
         ".register_vmap(rule), or define the op with "

@@ -340,6 +340,18 @@ class TestVmap(TestCase):
         self.assertIn("unbatchable.register_vmap(rule)", msg)
         self.assertIn('vmap="loop"', msg)
 
+    def test_composite_calling_autograd_error(self):
+        @torch_autobatch.custom_op("tab_vmap::force", mutates_args=())
+        def force(x: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                return -torch.autograd.grad((x**2).sum(), x)[0]
+
+        # (like torch.library.custom_op, the function runs below autograd even
+        # eagerly; under vmap the error names the op and the ways out)
+        with self.assertRaisesRegex(RuntimeError, "tab_vmap::force.*no autograd calls of its own"):
+            vmap(force)(randn(3, 2))
+
     def test_loop_mode_values_and_grads(self):
         x = randn(4, 3)
         self.assertEqual(vmap(looped)(x), loop(looped, x))
