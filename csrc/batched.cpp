@@ -84,7 +84,7 @@ bool looks_like_batching_failure(const std::string& msg) {
   }
   for (const char* needle :
        {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage",
-        "does not require grad"}) {
+        "does not require grad", "functorch"}) {
     if (msg.find(needle) != std::string::npos) {
       return true;
     }
