@@ -374,10 +374,12 @@ def _node_hook(trace: Trace, index: int, name: str, grad: Any) -> None:
         _flush(tls)
     task = _graph_task_id()
     task_traces = tls.task_traces
-    task_traces[task] = trace._weakself
-    if len(task_traces) > 64:  # ids only grow: keep the recent tasks (and any running one)
-        for old in sorted(task_traces)[:-16]:
-            del task_traces[old]
+    ref = trace._weakself
+    if task_traces.get(task) is not ref:
+        task_traces[task] = ref
+        if len(task_traces) > 64:  # ids only grow: keep the recent tasks (and any running one)
+            for old in sorted(task_traces)[:-16]:
+                del task_traces[old]
     if tls.flush_task != task and _grad_enabled():
         # create_graph=True: the last op's outputs get nodes, to tag after the last node.
         tls.flush_task = task
@@ -440,7 +442,7 @@ def _accumulate_grad_hook(grad_outputs: Any) -> None:
     if trace is None or grad is None:
         return
     leaf = trace._value(_current_node().variable)
-    group = _Group(trace._pass_of(task), "AccumulateGrad", leaf)
+    group = _Group(trace._passes.get(task) or trace._pass_of(task), "AccumulateGrad", leaf)
     trace._entries.append([group, _ACCUMULATE, _EMPTY, None, leaf, trace._value(grad)])
     if _stack_len() > 0 and _recorder_on_stack() is not None:
         _push_mode(_SILENCER)  # a trace() block active here must not record this node
