@@ -362,6 +362,29 @@ class TestVmap(TestCase):
             vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x)
         )
 
+    def test_exception_in_batched_backward_or_jvp_leaves_state_clean(self):
+        class MyError(Exception):
+            pass
+
+        @torch_autobatch.custom_op("tab_vmap::bad_rules", mutates_args=())
+        def bad(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        def raise_(*args):
+            raise MyError("boom")
+
+        bad.register_autograd(lambda ctx, g: raise_())
+        bad.register_jvp(lambda ctx, t: raise_())
+        x = randn(3, 2)
+        xl = x.clone().requires_grad_()
+        with self.assertRaisesRegex(MyError, "boom"):  # backward re-enters vmap frames
+            vmap(bad)(xl).sum().backward()
+        with self.assertRaisesRegex(MyError, "boom"):  # jvp below vmap, lowered stack
+            torch.func.jvp(vmap(bad), (x,), (x,))
+        self.assertIsNone(torch._C._functorch.maybe_current_level())
+        self.assertTrue(torch.is_grad_enabled())
+        self.assertEqual(vmap(f)(x, x), loop(f, x, x))
+
     def test_compile_of_transforms_honours_backward(self):
         # torch.compile(grad(op)) must not bypass the registered (2x) backward.
         x = randn(2, 3)
