@@ -1,7 +1,7 @@
 // Shared declarations of torch_autobatch's C++ kernels.
 //
 // Each operator made by torch_autobatch.custom_op owns one OpState. The
-// kernels we register for it (Autograd here; FuncTorchBatched later) and every
+// kernels we register for it (Autograd, FuncTorchBatched) and every
 // grad node they create hold a shared_ptr to it, so a node outlives the kernel
 // registration that made it.
 #pragma once
