@@ -2,6 +2,7 @@
 // torch_autobatch.custom_op has defined. Python stays the thin, typed layer;
 // this module holds no Python-visible state but the registrations.
 #include "autobatch.h"
+#include "tracer.h"
 
 namespace torch_autobatch {
 namespace {
@@ -80,4 +81,5 @@ PYBIND11_MODULE(_C, m) {
       "Registers torch_autobatch's C++ kernels (Autograd) for the operator "
       "`qualname`, calling back into `opdef`. Returns a handle that keeps them "
       "registered.");
+  tab::bind_tracer(m);
 }

@@ -116,7 +116,7 @@ class TestListing(TestCase):
         w = torch.ones(3, 2, requires_grad=True)
         with trace(names={"x": x, "w": w}) as t:
             loss = torch.relu(x @ w).sum()
-        self.assertEqual(len(t), 4)
+        self.assertEqual(len(t), 3)
         loss.backward()  # after the block: still recorded
         self.assertExpectedInline(str(t), """\
 inputs:
@@ -126,22 +126,20 @@ inputs:
 forward:
   %0 = aten.mm.default(%x, %w)  # f32[1, 2], node 0
   %1 = aten.relu.default(%0)  # f32[1, 2], node 1
-  %2 = aten.detach.default(%1)  # f32[1, 2]
-  %3 = aten.sum.default(%1)  # f32[], node 2
+  %2 = aten.sum.default(%1)  # f32[], node 2
 backward 1:
   SumBackward0 (node 2):
-    %4 = aten.expand.default(%arg0, [1, 2])  # f32[1, 2]
+    %3 = aten.expand.default(%arg0, [1, 2])  # f32[1, 2]
   ReluBackward0 (node 1):
-    %5 = aten.detach.default(%2)  # f32[1, 2]
-    %6 = aten.threshold_backward.default(%4, %5, 0)  # f32[1, 2]
+    %4 = aten.threshold_backward.default(%3, %1, 0)  # f32[1, 2]
   MmBackward0 (node 0):
-    %7 = aten.t.default(%x)  # f32[3, 1]
-    %8 = aten.mm.default(%7, %6)  # f32[3, 2]
+    %5 = aten.t.default(%x)  # f32[3, 1]
+    %6 = aten.mm.default(%5, %4)  # f32[3, 2]
   AccumulateGrad (%w):
-    %w.grad += %8""")
+    %w.grad += %6""")
         self.assertExpectedInline(
             repr(t),
-            """<torch_autobatch.Trace: 3 inputs, 4 forward ops, 1 backward calls, 6 backward entries>""",
+            """<torch_autobatch.Trace: 3 inputs, 3 forward ops, 1 backward calls, 5 backward entries>""",
         )
 
     def test_listing_is_stable_across_runs(self):
@@ -198,22 +196,21 @@ class TestBackward(TestCase):
             y = x.exp().sum()
         y.backward(retain_graph=True)
         y.backward()
-        self.assertExpectedInline(str(t).split("backward 1:")[1], """
+        self.assertExpectedInline(str(t).split("backward 1:")[1], """\
+
   SumBackward0 (node 1):
-    %3 = aten.expand.default(%arg0, [2])  # f32[2]
+    %2 = aten.expand.default(%arg0, [2])  # f32[2]
   ExpBackward0 (node 0):
-    %4 = aten.detach.default(%1)  # f32[2]
-    %5 = aten.mul.Tensor(%3, %4)  # f32[2]
+    %3 = aten.mul.Tensor(%2, %0)  # f32[2]
   AccumulateGrad (%x):
-    %x.grad += %5
+    %x.grad += %3
 backward 2:
   SumBackward0 (node 1):
-    %6 = aten.expand.default(%arg1, [2])  # f32[2]
+    %4 = aten.expand.default(%arg1, [2])  # f32[2]
   ExpBackward0 (node 0):
-    %7 = aten.detach.default(%1)  # f32[2]
-    %8 = aten.mul.Tensor(%6, %7)  # f32[2]
+    %5 = aten.mul.Tensor(%4, %0)  # f32[2]
   AccumulateGrad (%x):
-    %x.grad += %8""")
+    %x.grad += %5""")
 
     def test_double_backward(self):
         x = torch.tensor([0.5, 1.5], requires_grad=True)
@@ -221,7 +218,8 @@ backward 2:
             y = (x.sin() * x).sum()
         (g,) = torch.autograd.grad(y, x, create_graph=True)
         g.sum().backward()
-        self.assertExpectedInline(str(t).split("backward 1:")[1], """
+        self.assertExpectedInline(str(t).split("backward 1:")[1], """\
+
   SumBackward0 (node 2):
     %3 = aten.expand.default(%arg0, [2])  # f32[2]
   MulBackward0 (node 1):
@@ -241,13 +239,13 @@ backward 2:
     %13 = aten.mul.Tensor(%9, %12)  # f32[2]
   MulBackward0 (node 4):
     %14 = aten.mul.Tensor(%10, %3)  # f32[2]
-    %15 = aten.add.Tensor(%13, %14)  # f32[2]
+    %15 = aten.add_.Tensor(%13, %14)  # f32[2]
   MulBackward0 (node 3):
     %16 = aten.mul.Tensor(%arg1, %3)  # f32[2]
   SinBackward0 (node 0):
     %17 = aten.cos.default(%x)  # f32[2]
     %18 = aten.mul.Tensor(%16, %17)  # f32[2]
-    %19 = aten.add.Tensor(%15, %18)  # f32[2]
+    %19 = aten.add_.Tensor(%15, %18)  # f32[2]
   AccumulateGrad (%x):
     %x.grad += %19""")
         env = t.to_fx().run()
@@ -517,14 +515,19 @@ class TestLifetime(TestCase):
         return t, loss, weakref.ref(hidden), weakref.ref(model.weight)
 
     def test_nodes_keep_the_trace_alive(self):
-        t, loss, _, _ = self._traced_step()
-        tref = weakref.ref(t)
-        del t
-        self.assertIsNotNone(tref())  # the nodes of loss's graph still record into it
+        t, loss, _, weight = self._traced_step()
+        record_id = t._impl.id
+        del t  # the nodes of loss's graph still record into it: NOTE [What a Trace holds]
+        seen_in_backward = []
+        loss.grad_fn.register_prehook(lambda g: seen_in_backward.append(current_trace()))
         loss.backward()
-        self.assertIn("backward 1:", str(tref()))
-        del loss
-        self.assertIsNone(tref())
+        (seen,) = seen_in_backward  # a new Trace object for the same record
+        seen_in_backward.clear()
+        self.assertEqual(seen._impl.id, record_id)
+        self.assertIn("= trace_test.softclip.default(", str(seen))
+        self.assertIn("backward 1:", str(seen))
+        del loss, seen
+        self.assertIsNone(weight())  # the record held it; now nothing holds the record
 
     def test_freeing_outputs_and_trace_frees_everything(self):
         t, loss, hidden, weight = self._traced_step()
@@ -633,7 +636,8 @@ class TestToFx(TestCase):
                 ).sum()
             loss.backward()
             backward = str(t).split("backward 1:")[1]
-            self.assertIn("aten.relu.default", backward)  # the recomputation
+            # The recomputation (the checkpoint stops it inside relu, once relu's output is saved).
+            self.assertIn("aten.addmm.default", backward)
             env = self._check(t, loss, lin)
             self.assertEqual(env["%x.grad"], x.grad)
 
@@ -662,7 +666,7 @@ def forward(self, arg0, x):
     v2 = torch.ops.aten.expand.default(arg0, [2]);  arg0 = None
     v3 = torch.ops.aten.mul.Tensor(v2, x)
     v4 = torch.ops.aten.mul.Tensor(v2, x);  v2 = x = None
-    v5 = torch.ops.aten.add.Tensor(v4, v3);  v4 = v3 = None
+    v5 = torch.ops.aten.add_.Tensor(v4, v3);  v4 = v3 = None
     return {'%x.grad': v5}""")
 
     def test_run_needs_inputs_the_trace_no_longer_holds(self):

@@ -1,0 +1,14 @@
+// torch_autobatch.trace's recorder (csrc/tracer.cpp): C++, so that recording
+// an op costs no trip into Python. The Python layer (torch_autobatch/_tracer.py)
+// names, lists and replays what it recorded.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace torch_autobatch {
+
+// Adds _C._TraceImpl and the functions that push, pop and query the
+// thread's tracing state.
+void bind_tracer(pybind11::module_& m);
+
+} // namespace torch_autobatch
