@@ -448,7 +448,7 @@ class TestThreads(TestCase):
         for th in threads:
             th.join()
         self.assertEqual(failures, [])
-        self.assertEqual(torch._C._len_torch_dispatch_stack(), 0)
+        self.assertFalse(torch_autobatch._C._tracing_installed())
 
     def test_concurrent_traces_do_not_mix(self):
         self._run_threads(n_threads=4, iterations=40, shared=False)
@@ -460,7 +460,7 @@ class TestThreads(TestCase):
 
 class TestExceptions(TestCase):
     def assertNoTracingState(self) -> None:
-        self.assertEqual(torch._C._len_torch_dispatch_stack(), 0)
+        self.assertFalse(torch_autobatch._C._tracing_installed())
         self.assertIsNone(current_trace())
 
     def test_exception_inside_the_block(self):
@@ -553,9 +553,10 @@ class TestLifetime(TestCase):
             y = (x * 2).sum()
         y.backward()
         n = len(t)
-        self.assertEqual(torch._C._len_torch_dispatch_stack(), 0)
+        self.assertFalse(torch_autobatch._C._tracing_installed())  # no observer left
         (x * 3).sum().backward()  # a new graph: no hook of the trace on it
         self.assertEqual(len(t), n)
+        self.assertFalse(torch_autobatch._C._tracing_installed())
 
 
 class TestToFx(TestCase):

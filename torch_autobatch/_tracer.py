@@ -19,9 +19,10 @@ it recorded; nothing here runs per op.
 
 Known limits:
 
-- ops are recorded as they are *called* at the dispatcher, above autograd:
-  ``linear`` is one op (never ``t`` + ``addmm``), and so is a custom
-  operator; ops that a kernel runs inside another op are not listed;
+- ops are recorded at the dispatcher, as autograd sees them: a
+  CompositeImplicitAutograd op (``linear``, ``matmul``) as the ops it calls,
+  any other op (a custom operator included) as one op, never the ops its
+  kernel runs;
 - an ``AccumulateGrad`` is listed as ``%w.grad += %k``; the op that stores
   ``.grad`` is not recorded, so a backward that reads ``.grad`` (reentrant
   checkpointing) sees it as an input;
@@ -30,8 +31,8 @@ Known limits:
 - code that bypasses the dispatcher is not seen: kernels that Inductor
   (``torch.compile``'s default backend) generates, and ops run with
   ``RecordFunction`` disabled;
-- nodes made at a ``torch.func`` transform's level are hooked like any other,
-  but the ops of a transform are recorded at the level they are called;
+- a checkpoint (``torch.utils.checkpoint``) that stops its recomputation
+  inside an op leaves that op unrecorded: its saved output is an input;
 - it relies on torch internals named in the notes (the ``RecordFunction``
   thread-local callbacks, the engine's current node and graph task), as of
   torch 2.13.
@@ -447,7 +448,7 @@ def trace(names: Union[Mapping[str, _Tensor], torch.nn.Module, None] = None) -> 
         >>> graphs = t.to_fx()       # GraphModules that replay it
         >>> graphs.run()[t.name_of(loss)]
 
-    NOTE [Which trace records an op]
+    Which trace records an op (the C++ side: NOTE [Which trace records an op]):
 
     - Inside the block, every dispatcher op run on *this* thread is recorded
       (other threads are never recorded), at the aten level; a
@@ -470,8 +471,9 @@ def trace(names: Union[Mapping[str, _Tensor], torch.nn.Module, None] = None) -> 
       ``<Name> (untraced node)``.
 
     When no block is active and no traced node runs, nothing is installed: no
-    mode, no hook. On exit, also by an exception, the block removes its mode
-    and restores the thread's tracing state.
+    observer, no mode, no hook. On exit, also by an exception, the block
+    restores the thread's tracing state (and removes its observer if no
+    other block needs it).
 
     Args:
         names: optional names for input tensors (``{"x": x}``), or a module,
