@@ -55,6 +55,9 @@ using torch::autograd::variable_list;
 constexpr uint64_t kAccumulateGradSeq = UINT64_MAX; // AccumulateGrad's sequence_nr
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 using Dims = c10::SmallVector<int64_t, 4>;
+const c10::DispatchKeySet kTransformKeys({c10::DispatchKey::FuncTorchBatched,
+                                          c10::DispatchKey::FuncTorchGradWrapper,
+                                          c10::DispatchKey::BatchedNestedTensor});
 
 // NOTE [The record allocates little]
 // A record outlives the tensors it describes. Every small heap block it keeps
@@ -300,6 +303,9 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
   int32_t next_num = 0;
   int32_t next_node = 0;
   int32_t unnamed = 0;
+  // An op ran on a torch.func transform's wrapper tensors (BatchedTensor,
+  // GradTrackingTensor): listed at its logical shapes, not replayable.
+  bool saw_transform = false;
 
   // All below: `mu` held.
   int32_t new_value(const at::Tensor& t, int32_t num) {
@@ -362,6 +368,7 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
 
   // The value of `t` used as an op's input (`in_backward`: by a backward).
   int32_t use(const at::Tensor& t, bool in_backward = false) {
+    saw_transform = saw_transform || t.key_set().has_any(kTransformKeys);
     const auto it = ids.find(t.unsafeGetTensorImpl());
     int32_t v = it != ids.end() && values[it->second].layout.matches(t) ? it->second
                                                                          : saved_value(t);
@@ -936,6 +943,12 @@ void bind_tracer(py::module_& m) {
               return it->second;
             }
             return t.add_input(x, std::move(name));
+          })
+      .def_property_readonly(
+          "saw_transform",
+          [](TraceImpl& t) {
+            const auto lock = lock_from_python(t);
+            return t.saw_transform;
           })
       .def(
           "value_of",

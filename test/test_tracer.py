@@ -8,6 +8,7 @@ Run: ``python -m pytest test/test_tracer.py -q`` or ``python test/test_tracer.py
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -541,6 +542,22 @@ class TestLifetime(TestCase):
         self.assertIsNone(tref())
         self.assertIsNone(weight())
 
+    def test_the_record_keeps_no_tensor_memory(self):
+        # NOTE [The record allocates little]: with the record keeping a heap block
+        # per op (or a reference to each tensor), every freed 4 MB temporary is
+        # lost to the next one, which gets new memory: ~1 address per iteration.
+        a = torch.ones(1024, 1024)
+
+        def addresses(traced: bool) -> int:
+            seen = set()
+            with trace() if traced else contextlib.nullcontext():
+                for _ in range(30):
+                    seen.add((a * 2).data_ptr())
+            return len(seen)
+
+        untraced = addresses(False)
+        self.assertLessEqual(addresses(True), untraced + 5)
+
     def test_trace_freed_before_its_backward(self):
         t, loss, _, _ = self._traced_step()
         tref = weakref.ref(t)
@@ -712,6 +729,15 @@ class TestErrors(TestCase):
             str(cm.exception),
             """torch_autobatch.trace(names=...): expected a tensor for 'x', got float.""",
         )
+
+    def test_to_fx_refuses_ops_recorded_inside_a_transform(self):
+        x = torch.randn(2, 3)
+        with trace() as t:
+            torch.func.vmap(torch.sin)(x)
+        self.assertIn("aten.sin.default(%arg0)  # f32[3]", str(t))  # the logical shape
+        with self.assertRaises(RuntimeError) as cm:
+            t.to_fx()
+        self.assertIn("inside a torch.func transform", str(cm.exception))
 
     def test_name_of_unknown_tensor(self):
         with trace() as t:

@@ -33,6 +33,9 @@ Known limits:
   ``RecordFunction`` disabled;
 - a checkpoint (``torch.utils.checkpoint``) that stops its recomputation
   inside an op leaves that op unrecorded: its saved output is an input;
+- ops inside a ``torch.func`` transform (``vmap``, ``grad``, ...) are recorded
+  as called there, on the transform's wrapper tensors, at their logical
+  shapes: listed, but ``to_fx()`` refuses to replay them;
 - it relies on torch internals named in the notes (the ``RecordFunction``
   thread-local callbacks, the engine's current node and graph task), as of
   torch 2.13.
@@ -347,6 +350,14 @@ class Trace:
         """:class:`torch.fx.GraphModule` s that replay the recording: see :class:`TraceGraphs`."""
         from ._trace_fx import build_graphs
 
+        if self._impl.saw_transform:
+            raise RuntimeError(
+                "Trace.to_fx: this trace recorded ops that ran inside a torch.func transform "
+                "(vmap, grad, jvp, ...), on the transform's wrapper tensors: the listing shows "
+                "them at their logical shapes, but a replay outside the transform would compute "
+                "something else. Trace the transformed function's caller instead, or record "
+                "without transforms to replay."
+            )
         self._snapshot()
         return build_graphs(self)
 
