@@ -12,7 +12,7 @@ inside ``with torch_autobatch.trace():`` and the backward after the block (so
 the backward is recorded through the autograd nodes' hooks, the path that
 costs more). For reference, a third variant runs the step under a
 ``TorchDispatchMode`` that records nothing: the least any tracer built on a
-Python dispatch mode pays. The variants alternate step by step in one
+Python dispatch mode pays (ours records in C++, below that). The variants alternate step by step in one
 process, so that machine load hits all alike; the table reports medians of
 the wall time (``time.perf_counter``) and, as a check against a loaded
 machine, of the thread's CPU time (``time.thread_time``).
