@@ -562,7 +562,10 @@ struct NodeHook final : torch::autograd::FunctionPreHook {
 // run in the trace of the last traced node that ran on this thread in the
 // same backward call (the engine runs an AccumulateGrad right after the node
 // that feeds it) as `%w.grad += %g`. The ops that store `.grad` are not
-// recorded: the line says what they do.
+// recorded: the line says what they do. Like any hook registration in torch,
+// adding it is not safe against another thread running that AccumulateGrad
+// at the same moment (an untraced backward of the same parameters): the
+// first trace to reach a parameter adds it, under a lock of ours only.
 struct AccHook final : torch::autograd::FunctionPreHook {
   variable_list operator()(const variable_list& grads) override;
 };

@@ -36,6 +36,9 @@ Known limits:
 - ops inside a ``torch.func`` transform (``vmap``, ``grad``, ...) are recorded
   as called there, on the transform's wrapper tensors, at their logical
   shapes: listed, but ``to_fx()`` refuses to replay them;
+- the first trace to reach a parameter adds a hook to its ``AccumulateGrad``;
+  like any hook registration in torch, that must not race with an untraced
+  backward of the same parameter on another thread (NOTE [AccumulateGrad runs]);
 - it relies on torch internals named in the notes (the ``RecordFunction``
   thread-local callbacks, the engine's current node and graph task), as of
   torch 2.13.
