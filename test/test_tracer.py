@@ -173,6 +173,28 @@ backward 1:
   AccumulateGrad (%x):
     %x.grad += %9""")
 
+    def test_torch_library_custom_op_is_one_op_and_linear_is_seen_through(self):
+        @torch.library.custom_op("trace_test::upstream_cube", mutates_args=())
+        def cube(x: torch.Tensor) -> torch.Tensor:
+            return x * x * x
+
+        cube.register_autograd(
+            lambda ctx, g: g * 3 * ctx.x * ctx.x,
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+        )
+        lin = torch.nn.Linear(2, 2)
+        x = torch.ones(1, 2, requires_grad=True)
+        with trace(names={"x": x, **dict(lin.named_parameters())}) as t:
+            y = cube(lin(x)).sum()
+        y.backward()
+        forward = str(t).split("backward 1:")[0]
+        self.assertIn("= aten.t.default(%weight)", forward)  # linear's own ops
+        self.assertIn("= aten.addmm.default(%bias, %x, %0)", forward)
+        self.assertIn("= trace_test.upstream_cube.default(%1)", forward)
+        self.assertNotIn("linear", forward)
+        self.assertEqual(forward.count("aten.mul"), 0)  # cube's kernel is not listed
+        self.assertEqual(t.to_fx().run()["%x.grad"], x.grad)
+
     def test_custom_op_forward_without_grad(self):
         with trace() as t:
             softclip(torch.ones(2), 1.0)
