@@ -62,7 +62,7 @@ const c10::DispatchKeySet kTransformKeys({c10::DispatchKey::FuncTorchBatched,
 // per op can land in the hole a freed large tensor left and split it, so the
 // next large tensor needs fresh memory (a first version got a new address for
 // nearly every one of 30 freed-and-remade 4 MB temporaries; untraced, they
-// reuse 3: test_the_record_keeps_no_tensor_memory). So per op the record keeps no heap block
+// reuse 3: benchmarks/bench_tracer.py reports it). So per op the record keeps no heap block
 // of its own but amortized growth: inline small vectors, flat hash maps,
 // integer lists in one pool, interned names; and no reference that keeps a
 // tensor's memory allocated.
@@ -298,6 +298,17 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
   // An op ran on a torch.func transform's wrapper tensors (BatchedTensor,
   // GradTrackingTensor): listed at its logical shapes, not replayable.
   bool saw_transform = false;
+
+  // Room for a small trace made up front, so that a block of a few hundred
+  // ops grows nothing while tensors come and go (NOTE [The record allocates
+  // little]).
+  TraceImpl() {
+    values.reserve(512);
+    entries.reserve(256);
+    ints.reserve(512);
+    ids.reserve(512);
+    saved.reserve(128);
+  }
 
   // All below: `mu` held.
   int32_t new_value(const at::Tensor& t, int32_t num) {
@@ -767,6 +778,9 @@ void end_op(ThreadState& s, TraceImpl& trace, const std::vector<c10::IValue>& ou
   }
   for (auto r = first_out; r < e.refs.size(); ++r) {
     const auto& ref = e.refs[r];
+    if (ref.value < 0) {
+      continue; // an int list
+    }
     const auto& out = outputs[ref.pos];
     const auto& t = ref.elem < 0 ? out.toTensor() : out.toListRef()[ref.elem].toTensor();
     if (t.requires_grad()) {
@@ -782,6 +796,9 @@ void end_op(ThreadState& s, TraceImpl& trace, const std::vector<c10::IValue>& ou
     s.recheck.clear();
     for (auto r = first_out; r < e.refs.size(); ++r) {
       const auto& ref = e.refs[r];
+      if (ref.value < 0) {
+        continue;
+      }
       const auto& out = outputs[ref.pos];
       const auto& t = ref.elem < 0 ? out.toTensor() : out.toListRef()[ref.elem].toTensor();
       s.recheck.emplace_back(ref.value, WeakImpl(t.getIntrusivePtr()));
@@ -792,6 +809,14 @@ void end_op(ThreadState& s, TraceImpl& trace, const std::vector<c10::IValue>& ou
   ++trace.version;
 }
 
+// An observer must not throw into the op it observes: a failure to record
+// is said, never silent.
+void warn_unrecorded(const at::RecordFunction& fn, const std::exception& e) {
+  TORCH_WARN(
+      "torch_autobatch.trace: could not record ", fn.name(),
+      "; the trace lacks this op and will not replay it right. Cause: ", e.what());
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   auto& s = tls;
   const auto* op = op_of(s, fn);
@@ -800,8 +825,9 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
   try {
     begin_op(s, fn, op);
-  } catch (...) {
+  } catch (const std::exception& e) {
     s.trace.reset(); // not recorded, but the op runs
+    warn_unrecorded(fn, e);
   }
   return nullptr;
 }
@@ -819,7 +845,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   }
   try {
     end_op(s, *trace, fn.outputs());
-  } catch (...) {
+  } catch (const std::exception& e) {
+    warn_unrecorded(fn, e);
   }
 }
 
