@@ -1,9 +1,19 @@
 // The one place torch_autobatch touches functorch's unstable C++ internals
-// (ATen/functorch, torch 2.13). Everything used here is exported from
+// (ATen/functorch, torch 2.13 to 2.15). Everything used here is exported from
 // libtorch_cpu; what is not exported (Interpreter::process,
 // sendToNextInterpreter, the loop fallback) is not used. Re-check this file on
-// every torch release.
+// every torch release; where releases differ, the difference is absorbed here
+// (TORCH_VERSION_* from torch/version.h), nowhere else.
 #pragma once
+
+#include <torch/version.h>
+
+// NOTE [Supported torch window] (torch_autobatch/_version.py): the oldest
+// release whose internals this file matches. Newer releases build; the
+// package refuses to import on one outside the tested window.
+#if TORCH_VERSION_MAJOR != 2 || TORCH_VERSION_MINOR < 13
+#error "torch_autobatch needs torch >= 2.13: its functorch internals differ before."
+#endif
 
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/functorch/BatchedTensorImpl.h>

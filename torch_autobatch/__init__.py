@@ -8,28 +8,35 @@ Public API:
 - :class:`BackwardContext` — the ``ctx`` of ``setup_context``, ``backward`` and ``jvp``;
 - :func:`trace` — records the aten ops run in forward *and* backward (``print(t)``, ``t.to_fx()``);
 - :func:`current_trace` — the trace recording this thread's ops, or None;
+- :class:`UntestedTorchWarning` — warned at import on an untested torch
+  (with ``TORCH_AUTOBATCH_ALLOW_UNTESTED_TORCH=1``; otherwise an ImportError);
 - :class:`Trace` — what :func:`trace` returns; :class:`TraceGraphs` — what ``Trace.to_fx()`` returns.
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
+
+from ._compat import REBUILD, UntestedTorchWarning, check_running_torch
+
+check_running_torch()  # before the extension loads: NOTE [Supported torch window]
 
 try:
     from . import _C  # noqa: F401  (its import registers nothing by itself)
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(
         "torch_autobatch's C++ extension (torch_autobatch._C) failed to load: "
-        f"{e}. Build it against the installed torch with "
-        "`pip install --no-build-isolation -e .` from the project root "
-        "(torch==2.13.0 must be installed first)."
+        f"{e}. Rebuild it against the installed torch {torch.__version__} with "
+        f"`{REBUILD}` from the project root."
     ) from e
 
 from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
 from ._trace_fx import TraceGraphs
 from ._tracer import Trace, current_trace, trace
+from ._version import __version__
 
 __all__ = [
     "BackwardContext",
+    "UntestedTorchWarning",
     "CustomOpDef",
     "Trace",
     "TraceGraphs",
@@ -37,4 +44,3 @@ __all__ = [
     "custom_op",
     "trace",
 ]
-__version__ = "0.1.0"

@@ -41,12 +41,14 @@ Known limits:
   backward of the same parameter on another thread (NOTE [AccumulateGrad runs]);
 - it relies on torch internals named in the notes (the ``RecordFunction``
   thread-local callbacks, the engine's current node and graph task), as of
-  torch 2.13.
+  torch 2.13 to 2.15; from 2.14 an open block turns off torch.library custom
+  ops' fast path, which skips RecordFunction (NOTE [Custom ops' PyObject fast path]).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
@@ -404,6 +406,45 @@ def _format_entry(entry: list[Any]) -> str:
 
 
 # --------------------------------------------------------------------- trace()
+# NOTE [Custom ops' PyObject fast path]
+# Since torch 2.14, torch.library.custom_op turns on a fast path for its ops
+# (OpOverload._enable_pyobj_dispatch) that calls their kernels without a
+# RecordFunction, so the recorder would list the op's kernel's aten ops in its
+# place. While any trace block is open, that fast path is off for every
+# torch.library custom op that has it (a speed switch only: the same kernels
+# run); the last block to close turns it back on. Feature-detected, so it is a
+# no-op where torch has no such path. An op defined inside a block keeps it.
+_fast_path_lock = threading.Lock()
+_open_blocks = 0
+_fast_path_ops: list[torch._ops.OpOverload] = []
+
+
+def _suspend_custom_op_fast_paths() -> None:
+    global _open_blocks
+    with _fast_path_lock:
+        _open_blocks += 1
+        if _open_blocks > 1:
+            return
+        from torch._library.custom_ops import OPDEFS
+
+        for opdef in list(OPDEFS.values()):
+            op = getattr(opdef, "_opoverload", None)
+            if getattr(op, "_is_pyobj_dispatcher_enabled", lambda: False)():
+                op._enable_pyobj_dispatch(False)
+                _fast_path_ops.append(op)
+
+
+def _resume_custom_op_fast_paths() -> None:
+    global _open_blocks
+    with _fast_path_lock:
+        _open_blocks -= 1
+        if _open_blocks > 0:
+            return
+        for op in _fast_path_ops:
+            op._enable_pyobj_dispatch(True)
+        _fast_path_ops.clear()
+
+
 class _TraceBlock:
     """The context manager :func:`trace` returns; ``__enter__`` gives the :class:`Trace`."""
 
@@ -419,14 +460,22 @@ class _TraceBlock:
                 "again for a new one."
             )
         t = self._trace = Trace(self._names)
-        _C._trace_push(t._impl)
+        _suspend_custom_op_fast_paths()
+        try:
+            _C._trace_push(t._impl)
+        except BaseException:
+            _resume_custom_op_fast_paths()
+            raise
         self._active = True
         return t
 
     def __exit__(self, *exc: Any) -> None:
         if self._active:
             self._active = False
-            _C._trace_pop(self._trace._impl)
+            try:
+                _C._trace_pop(self._trace._impl)
+            finally:
+                _resume_custom_op_fast_paths()
 
 
 def _check_names(names: Any) -> Optional[dict[str, _Tensor]]:
