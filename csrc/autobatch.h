@@ -99,14 +99,17 @@ struct VmapFrame {
 };
 
 // Calls the op's Python `_setup_autograd(inputs, output, needs_input_grad)`
-// and returns the ctx; `saved` receives what it passed to save_for_backward.
-// Requires the GIL.
+// and returns the ctx; `saved` receives what it passed to save_for_backward,
+// `non_differentiable` one flag per tensor of `outputs` (the flat tensors of
+// `returns`): passed to ctx.mark_non_differentiable. Requires the GIL.
 py::object call_setup_context(
     const OpState& state,
     c10::ArrayRef<c10::IValue> args,
     c10::ArrayRef<c10::IValue> returns,
+    const std::vector<at::Tensor>& outputs,
     const std::vector<bool>& needs_input_grad,
-    std::vector<at::Tensor>& saved);
+    std::vector<at::Tensor>& saved,
+    std::vector<bool>& non_differentiable);
 
 // Raises if an output shares memory with an input (the schema declares no
 // aliasing).

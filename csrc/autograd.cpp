@@ -14,6 +14,7 @@
 #include "functorch.h"
 #include "grad_node.h"
 
+#include <ATen/ExpandUtils.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -124,7 +125,19 @@ void CustomOpNode::set_history(const std::vector<at::Tensor>& outputs) {
   outputs_for_saving_ = outputs;
 }
 
-void CustomOpNode::save(py::handle ctx, const std::vector<at::Tensor>& saved) {
+void CustomOpNode::save(
+    py::handle ctx,
+    const std::vector<at::Tensor>& saved,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<bool>& non_differentiable) {
+  // Like autograd.Function: a non-differentiable output keeps its slot (its
+  // gradient arrives as zeros or None) but gets no history.
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (non_differentiable[k] && outputs[k].defined()) {
+      torch::autograd::impl::set_gradient_edge(outputs[k], torch::autograd::Edge());
+    }
+  }
+  materialize_grads_ = py::getattr(ctx, "materialize_grads", py::bool_(true)).cast<bool>();
   saved_.reserve(saved.size());
   for (const auto& t : saved) {
     if (!t.defined()) {
@@ -162,8 +175,9 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
       saved.push_back(sv.unpack(getptr()));
     }
   }
-  // Like autograd.Function: an unused differentiable output gets zeros.
-  for (size_t i = 0; i < grads.size(); ++i) {
+  // Like autograd.Function: an unused differentiable output gets zeros
+  // (unless ctx.set_materialize_grads(False)).
+  for (size_t i = 0; i < grads.size() && materialize_grads_; ++i) {
     if (!grads[i].defined() && differentiable_[i]) {
       grads[i] = input_metadata(i).zeros_like();
     }
@@ -318,15 +332,20 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
         std::string(py::str(py::type::of(grad).attr("__name__"))) +
         " as the gradient of input '" + arg_name + "'; expected a Tensor or None.");
   }
-  const at::Tensor& g = THPVariable_Unpack(grad.ptr());
+  at::Tensor g = THPVariable_Unpack(grad.ptr());
   const auto& meta = logical_meta_[edge];
   if (!g.sym_sizes().equals(meta.sym_sizes)) {
-    std::ostringstream msg;
-    msg << "returned a gradient of shape " << g.sym_sizes() << " for input '"
-        << arg_name << "', which has shape " << c10::SymIntArrayRef(meta.sym_sizes)
-        << ". Return a gradient of the input's shape (reduce a broadcast one "
-           "with grad.sum_to_size(input.shape)).";
-    fail_backward(msg.str());
+    // As the autograd engine does (validate_outputs): a gradient of a shape
+    // the input broadcasts to is summed back to the input's shape.
+    if (!at::is_expandable_to(meta.sym_sizes, g.sym_sizes())) {
+      std::ostringstream msg;
+      msg << "returned a gradient of shape " << g.sym_sizes() << " for input '"
+          << arg_name << "', which has shape " << c10::SymIntArrayRef(meta.sym_sizes)
+          << ". Return a gradient of the input's shape, or of a shape the input "
+             "broadcasts to (it is then summed to the input's shape).";
+      fail_backward(msg.str());
+    }
+    g = at::sum_to(std::move(g), meta.sym_sizes);
   }
   const auto dtype = c10::typeMetaToScalarType(meta.options.dtype());
   if (g.scalar_type() != dtype) {
@@ -380,8 +399,10 @@ py::object call_setup_context(
     const OpState& state,
     c10::ArrayRef<c10::IValue> args,
     c10::ArrayRef<c10::IValue> returns,
+    const std::vector<at::Tensor>& outputs,
     const std::vector<bool>& needs_input_grad,
-    std::vector<at::Tensor>& saved) {
+    std::vector<at::Tensor>& saved,
+    std::vector<bool>& non_differentiable) {
   try {
     py::tuple py_args(args.size());
     py::tuple needs(args.size());
@@ -400,13 +421,35 @@ py::object call_setup_context(
       py_output = outs;
     }
     py::object ctx = state.opdef.get().attr("_setup_autograd")(py_args, py_output, needs);
-    py::object to_save = ctx.attr("_to_save");
+    // NOTE [ctx is torch's FunctionCtx] (_autograd.py): what its methods recorded.
+    py::object to_save = py::getattr(ctx, "to_save", py::none());
     if (!to_save.is_none()) {
       for (py::handle item : to_save) {
         saved.push_back(
             item.is_none() ? at::Tensor() : THPVariable_Unpack(item.ptr()));
       }
-      ctx.attr("_to_save") = py::none();
+      ctx.attr("to_save") = py::none();
+    }
+    non_differentiable.assign(outputs.size(), false);
+    py::object marked = py::getattr(ctx, "non_differentiable", py::none());
+    if (!marked.is_none()) {
+      for (py::handle item : marked) {
+        const auto* impl = THPVariable_Check(item.ptr())
+            ? THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl()
+            : nullptr;
+        bool found = false;
+        for (size_t k = 0; k < outputs.size(); ++k) {
+          if (outputs[k].defined() && outputs[k].unsafeGetTensorImpl() == impl) {
+            non_differentiable[k] = found = true;
+          }
+        }
+        TORCH_CHECK(
+            found,
+            "torch_autobatch: the setup_context of ",
+            state.qualname,
+            " passed ctx.mark_non_differentiable a value that is not one of the "
+            "op's outputs; pass output tensors only.");
+      }
     }
     return ctx;
   } catch (py::error_already_set& e) {
@@ -494,6 +537,18 @@ class AutogradKernel final : public c10::OperatorKernel {
     {
       // The user's forward runs once, below autograd: never recorded.
       at::AutoDispatchBelowADInplaceOrView guard;
+      // NOTE [The kernel sees grad mode off when a node is made]
+      // As in torch.library (the kernel runs in autograd.Function.forward),
+      // the backend kernel runs with grad mode off when this call makes a
+      // node for tensors that really require grad, so `.numpy()` and
+      // `torch.is_grad_enabled()` in it behave alike. Only at the base: at a
+      // functorch Grad level, grad mode must stay on for the levels below
+      // (they read it to decide whether to attach their own node), and the
+      // kernel sees unwrapped tensors that need no grad anyway.
+      std::optional<c10::AutoGradMode> no_grad;
+      if (needs_node && !at::functorch::maybeCurrentDynamicLayer().has_value()) {
+        no_grad.emplace(false);
+      }
       op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
     }
 
@@ -523,9 +578,11 @@ class AutogradKernel final : public c10::OperatorKernel {
         needs_input_grad[a] = requires_grad(saved_args[a]);
       }
       std::vector<at::Tensor> saved;
+      std::vector<bool> non_differentiable;
       py::object ctx = call_setup_context(
-          *state_, saved_args, returns, needs_input_grad, saved);
-      node->save(ctx, saved);
+          *state_, saved_args, returns, outputs, needs_input_grad, saved,
+          non_differentiable);
+      node->save(ctx, saved, outputs, non_differentiable);
     }
   }
 

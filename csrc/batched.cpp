@@ -387,6 +387,7 @@ void BatchedKernel::attach_grad_nodes(
     c10::intrusive_ptr<CustomOpNode> node;
     int64_t level; // -1: the base
     size_t num_frames;
+    std::vector<at::Tensor> outputs; // at the node's level
   };
   std::vector<Site> sites;
   std::vector<VmapFrame> frames; // innermost first
@@ -401,7 +402,7 @@ void BatchedKernel::attach_grad_nodes(
         state_, arg_slots, ret_slots, in_here, inputs,
         std::vector<VmapFrame>(frames.rbegin(), frames.rend()));
     node->set_history(out_here);
-    sites.push_back({std::move(node), level, frames.size()});
+    sites.push_back({std::move(node), level, frames.size(), out_here});
   };
   for (size_t i = layers.size(); i-- > 0;) {
     const DynamicLayer& layer = layers[i];
@@ -479,7 +480,9 @@ void BatchedKernel::attach_grad_nodes(
   }
   py::gil_scoped_acquire gil;
   std::vector<at::Tensor> saved;
-  py::object ctx = call_setup_context(*state_, args, returns, needs_arg, saved);
+  std::vector<bool> non_differentiable;
+  py::object ctx = call_setup_context(
+      *state_, args, returns, outputs, needs_arg, saved, non_differentiable);
 
   // 3. The same walk for the saved tensors: each node saves them as seen at
   //    its level, with their batch dims in its frames.
@@ -493,7 +496,7 @@ void BatchedKernel::attach_grad_nodes(
     for (size_t j = 0; j < site->num_frames; ++j) {
       node_frames[site->num_frames - 1 - j].saved_bdims = saved_bdims[j];
     }
-    site->node->save(ctx, saved);
+    site->node->save(ctx, saved, site->outputs, non_differentiable);
     ++site;
   };
   for (size_t i = layers.size(); i-- > 0;) {
@@ -515,56 +518,23 @@ void BatchedKernel::run_rule(
     const c10::OperatorHandle& op,
     const DynamicLayer& layer,
     torch::jit::Stack* stack) const {
-  const int64_t level = layer.layerId();
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   const size_t num_returns = schema.returns().size();
-  // The rule computes on unbatched tensors: its ops go to the next level.
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
   py::gil_scoped_acquire gil;
   try {
+    // torch's helper for register_vmap rules unwraps the arguments at this
+    // level, calls the rule one level down, checks what it returns and wraps
+    // the outputs by their out_dims (a pytree matching the output).
     py::tuple py_args(num_args);
-    py::tuple in_dims(num_args);
     auto args = torch::jit::last(*stack, num_args);
     for (size_t a = 0; a < num_args; ++a) {
-      const c10::IValue& v = args[a];
-      if (v.isTensor()) {
-        auto [value, bdim] = at::functorch::unwrapTensorAtLevel(v.toTensor(), level);
-        py_args[a] = py::reinterpret_steal<py::object>(THPVariable_Wrap(value));
-        in_dims[a] = bdim ? py::object(py::int_(*bdim)) : py::object(py::none());
-      } else if (v.isTensorList()) {
-        py::list values;
-        py::list dims;
-        for (const at::Tensor& t : v.toTensorList()) {
-          auto [value, bdim] = at::functorch::unwrapTensorAtLevel(t, level);
-          values.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(value)));
-          dims.append(bdim ? py::object(py::int_(*bdim)) : py::object(py::none()));
-        }
-        py_args[a] = values;
-        in_dims[a] = dims;
-      } else {
-        py_args[a] = torch::jit::toPyObject(v);
-        in_dims[a] = py::none();
-      }
+      py_args[a] = torch::jit::toPyObject(args[a]);
     }
-    py::tuple result = state_->opdef.get().attr("_run_vmap_rule")(
-        layer.batchSize().guard_int(__FILE__, __LINE__),
-        static_cast<int64_t>(layer.randomness()), in_dims, py_args);
-    // result: (outputs as a tuple, out_dims as a tuple), checked in Python.
-    py::tuple outs = result[0];
-    py::tuple out_dims = result[1];
+    py::tuple outs = state_->opdef.get().attr("_run_vmap_rule")(py_args);
     torch::jit::drop(*stack, num_args);
     for (size_t r = 0; r < num_returns; ++r) {
-      const auto& type = schema.returns()[r].type();
-      c10::IValue v = torch::jit::toIValue(outs[r], type);
-      if (v.isTensor()) {
-        const auto d = out_dims[r];
-        v = at::functorch::makeBatched(
-            v.toTensor(),
-            d.is_none() ? std::nullopt : std::optional<int64_t>(d.cast<int64_t>()),
-            level);
-      }
-      torch::jit::push(*stack, std::move(v));
+      torch::jit::push(*stack, torch::jit::toIValue(outs[r], schema.returns()[r].type()));
     }
   } catch (py::error_already_set& e) {
     rethrow_python_error(e);

@@ -35,8 +35,14 @@ class CustomOpNode final : public torch::autograd::Node {
   }
   // Undefined or non-differentiable outputs get no edge; their gradient is None.
   void set_history(const std::vector<at::Tensor>& outputs);
-  // Takes the saved tensors (at the node's level). Requires the GIL.
-  void save(py::handle ctx, const std::vector<at::Tensor>& saved);
+  // Takes the saved tensors (at the node's level) and what ctx recorded:
+  // outputs marked non-differentiable lose their edge (`outputs` at the
+  // node's level), ctx.set_materialize_grads. Requires the GIL.
+  void save(
+      py::handle ctx,
+      const std::vector<at::Tensor>& saved,
+      const std::vector<at::Tensor>& outputs,
+      const std::vector<bool>& non_differentiable);
   std::vector<VmapFrame>& frames() {
     return frames_;
   }
@@ -57,6 +63,7 @@ class CustomOpNode final : public torch::autograd::Node {
   std::vector<torch::autograd::TypeAndSize> logical_meta_; // per next edge
   std::vector<VmapFrame> frames_; // outermost first
   std::vector<bool> differentiable_; // per node input
+  bool materialize_grads_ = true; // ctx.set_materialize_grads
   std::vector<at::Tensor> outputs_for_saving_; // cleared by save()
   std::vector<torch::autograd::SavedVariable> saved_;
   PyRef ctx_;

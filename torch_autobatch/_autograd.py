@@ -1,8 +1,18 @@
-"""The ctx object that setup_context and backward receive.
+"""The ctx object that setup_context, backward and jvp receive.
 
 The grad node itself is C++ (``csrc/autograd.cpp``): it turns what
 ``save_for_backward`` collected into ``SavedVariable`` s, so saving an output
 makes no reference cycle, and it hands them back through ``saved_tensors``.
+
+NOTE [ctx is torch's FunctionCtx]
+torch.library's contract gives ``setup_context`` "the same ctx object used by
+autograd.Function". :class:`BackwardContext` subclasses torch's
+``FunctionCtx``, so its methods (``save_for_backward``, ``save_for_forward``,
+``mark_non_differentiable``, ``set_materialize_grads``, ``mark_dirty``) are
+torch's own and keep up with it; we read back what they record (``to_save``,
+``saved_for_forward``, ``non_differentiable``, ``materialize_grads``) and
+provide what autograd.Function's C++ base provides: ``saved_tensors`` and
+``needs_input_grad``.
 """
 
 from __future__ import annotations
@@ -10,27 +20,28 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 
-class BackwardContext:
+class BackwardContext(FunctionCtx):
     """What ``setup_context(ctx, inputs, output)`` fills and ``backward(ctx, *grads)`` reads.
 
-    Mirrors the ctx of :func:`torch.library.register_autograd`: call
-    :meth:`save_for_backward` for tensors, and set plain attributes for
-    anything else (``ctx.scale = scale``).
+    The ctx of :func:`torch.library.register_autograd` (torch's ``FunctionCtx``):
+    call :meth:`save_for_backward` for tensors, set plain attributes for
+    anything else (``ctx.scale = scale``), :meth:`mark_non_differentiable` for
+    outputs without a gradient, and :meth:`set_materialize_grads` to get None
+    instead of zeros for unused outputs' gradients.
     """
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         #: One bool per operator input: does it need a gradient?
         self.needs_input_grad = needs_input_grad
-        self._to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
-        self._to_save_forward: Optional[tuple[Optional[torch.Tensor], ...]] = None
         self._saved_tensors: Optional[tuple[Optional[torch.Tensor], ...]] = None
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
         """Saves tensors (or None) for backward, where ``ctx.saved_tensors`` returns them."""
         _check_saveable("save_for_backward", tensors)
-        self._to_save = tensors
+        super().save_for_backward(*tensors)
 
     def save_for_forward(self, *tensors: Optional[torch.Tensor]) -> None:
         """Saves tensors (or None) for the jvp, where ``ctx.saved_tensors`` returns them.
@@ -38,7 +49,7 @@ class BackwardContext:
         Without it, the jvp sees what :meth:`save_for_backward` saved.
         """
         _check_saveable("save_for_forward", tensors)
-        self._to_save_forward = tensors
+        super().save_for_forward(*tensors)
 
     @property
     def saved_tensors(self) -> tuple[Optional[torch.Tensor], ...]:
@@ -68,13 +79,15 @@ def run_jvp(
     jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...]
 ) -> Any:
     """Calls the user's jvp with what setup_context saved for it."""
-    saved = ctx._to_save_forward if ctx._to_save_forward is not None else ctx._to_save
+    saved = getattr(ctx, "saved_for_forward", None)
+    if saved is None:
+        saved = getattr(ctx, "to_save", None)
     ctx._saved_tensors = saved if saved is not None else ()
     try:
         return jvp_fn(ctx, *tangents)
     finally:
         ctx._saved_tensors = None
-        ctx._to_save = ctx._to_save_forward = None
+        ctx.to_save = ctx.saved_for_forward = None
 
 
 def run_backward(
@@ -82,11 +95,19 @@ def run_backward(
     ctx: BackwardContext,
     saved: tuple[Optional[torch.Tensor], ...],
     grads: tuple[Any, ...],
+    num_kwarg_only: int,
 ) -> tuple[Any, ...]:
-    """Calls the user's backward; the C++ node checks what it returns."""
+    """Calls the user's backward; the C++ node checks what it returns.
+
+    As torch.library allows, a backward may return one gradient per
+    positional input only (keyword-only inputs then get None).
+    """
     ctx._saved_tensors = saved
     try:
         result = backward_fn(ctx, *grads)
     finally:
         ctx._saved_tensors = None
-    return result if isinstance(result, tuple) else (result,)
+    result = result if isinstance(result, tuple) else (result,)
+    if num_kwarg_only and len(result) == len(ctx.needs_input_grad) - num_kwarg_only:
+        result = result + (None,) * num_kwarg_only
+    return result

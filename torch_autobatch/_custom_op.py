@@ -23,40 +23,68 @@ import inspect
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, overload
 
 import torch
+from torch._functorch.autograd_function import custom_function_call_vmap_helper
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch._library import custom_ops as _torch_custom_ops
 from torch._library.infer_schema import infer_schema
-
-from torch._functorch.autograd_function import VmapInfo
 
 from . import _C
 from ._autograd import BackwardContext, run_backward, run_jvp
 
-# Batched-kernel modes (csrc/autobatch.h VmapMode) and functorch's
-# RandomnessType order (ATen/functorch/Interpreter.h).
+# Batched-kernel modes (csrc/autobatch.h VmapMode).
 _VMAP_RULE, _VMAP_LOOP = 1, 2
-_RANDOMNESS = ("error", "same", "different")
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]
-
-
-def _device_keys(device_types: DeviceTypes) -> list[str]:
-    if device_types is None:
-        return ["CompositeExplicitAutograd"]
-    if isinstance(device_types, str):
-        device_types = [device_types]
-    return [torch._C._dispatch_key_for_device(d) for d in device_types]
 
 
 def _fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-class CustomOpDef:
+def _takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> bool:
+    """Is ``setup_context`` torch.library's 4-argument form for ops with keyword-only args?
+
+    ``setup_context(ctx, inputs, keyword_only_inputs, output)``; otherwise
+    ``setup_context(ctx, inputs, output)`` with ``inputs`` holding every argument.
+    """
+    if setup_context is None:
+        return False
+    try:
+        inspect.signature(setup_context).bind(None, (), {}, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): torch.library's rule
+        return True
+    return True
+
+
+# NOTE [CustomOpDef is torch's CustomOpDef]
+# torch_autobatch.CustomOpDef subclasses torch._library.custom_ops.CustomOpDef
+# rather than rewriting its surface, because most of torch.library's contract
+# lives in that class or keys off it:
+# - torch.library.register_autograd / register_fake / register_vmap /
+#   register_kernel / register_autocast / register_torch_dispatch("ns::name")
+#   find the op in custom_ops.OPDEFS and call its method (ours, when we
+#   override it), so no registration by name can bypass our kernels;
+# - torch.library.opcheck and torch.compile accept it as a CustomOpDef;
+# - register_kernel, set_kernel_enabled, register_fake, register_autocast,
+#   register_torch_dispatch, register_effect are torch's own and keep up with it.
+# What we override is exactly what makes the op ours: the Autograd kernel is
+# C++ (_register_autograd_dispatcher_impl registers nothing; _C._register_op
+# installs ours at Autograd and FuncTorchBatched), register_vmap stores the
+# rule for our batched kernel instead of registering torch's Python one, the
+# fake kernel defaults to the op's own function, keyword-only tensors are
+# allowed, and register_autograd/register_jvp accept our extra forms.
+class CustomOpDef(_torch_custom_ops.CustomOpDef):
     """An operator made by :func:`custom_op`; call it like the function it wraps.
 
     It is the same operator as ``torch.ops.<namespace>.<name>``: calling either
     goes through the dispatcher, so every torch.func transform, ``torch.compile``
     and ``torch.library.opcheck`` see one operator, never its decomposition.
+    A subclass of torch.library's ``CustomOpDef`` (NOTE [CustomOpDef is torch's
+    CustomOpDef]): everything torch.library accepts for one of its ops, it
+    accepts for this one.
     """
 
     def __init__(
@@ -67,30 +95,16 @@ class CustomOpDef:
         fn: Callable[..., Any],
         device_types: DeviceTypes,
         vmap: str = "auto",
+        tags: Any = None,
     ) -> None:
-        self._namespace = namespace
-        self._name = name
-        self._qualname = f"{namespace}::{name}"
-        self._init_fn = fn
-        self._fake_fn: Optional[Callable[..., Any]] = None
-        self._backward_fn: Optional[Callable[..., Any]] = None
-        self._setup_context_fn: Optional[Callable[..., Any]] = None
-        self._vmap_rule: Optional[Callable[..., Any]] = None
         self._jvp_fn: Optional[Callable[..., Any]] = None
         self._jvp_setup_context_fn: Optional[Callable[..., Any]] = None
-        self._schema = schema
-
-        self._lib = torch.library.Library(namespace, "FRAGMENT")
-        self._lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-        self._opoverload: torch._ops.OpOverload = getattr(
-            getattr(torch.ops, namespace), name
-        ).default
+        self._setup_context_kwonly = self._jvp_setup_context_kwonly = False
+        super().__init__(namespace, name, schema, fn, tags)
         schema_args = self._opoverload._schema.arguments
         self._kwarg_only = tuple(a.name for a in schema_args if a.kwarg_only)
         self._num_returns = len(self._opoverload._schema.returns)
-        for key in _device_keys(device_types):
-            self._lib.impl(name, fn, key)
-        self._lib._register_fake(name, self._fake_impl, _stacklevel=1)
+        self.register_kernel(device_types)(fn)
         self._registration = _C._register_op(self._qualname, self)
         if vmap == "loop":
             self._registration.set_vmap_mode(_VMAP_LOOP)
@@ -100,10 +114,17 @@ class CustomOpDef:
         self.__wrapped__ = fn
         self.__signature__ = inspect.signature(fn)
 
-    # ----------------------------------------------------------------- calling
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._opoverload(*args, **kwargs)
+    # ------------------------------------------- torch's CustomOpDef, overridden
+    def _validate_schema(self, schema: Any, schema_str: str) -> None:
+        pass  # keyword-only tensors are supported; custom_op() checked the rest
 
+    def _register_autograd_dispatcher_impl(self) -> None:
+        pass  # ours is C++, installed by _C._register_op after __init__
+
+    def _register_fake_dispatcher_impl(self) -> None:
+        self._lib._register_fake(self._name, self._fake_impl, _stacklevel=5)
+
+    # ----------------------------------------------------------------- calling
     def __repr__(self) -> str:
         return f"<torch_autobatch.CustomOpDef({self._qualname}{self._schema})>"
 
@@ -128,10 +149,17 @@ class CustomOpDef:
 
         ``setup_context(ctx, inputs, output)`` runs after the forward: ``inputs``
         is the tuple of all the op's arguments (schema order), ``output`` its
-        return value. ``backward(ctx, *grads)`` gets one gradient per output
-        (zeros for unused floating outputs, None for integer ones) and returns
-        one gradient per input: a Tensor of the input's shape and dtype, or
-        None (always None for non-tensor inputs). It is honoured by
+        return value; for an op with keyword-only arguments torch.library's
+        ``setup_context(ctx, inputs, keyword_only_inputs, output)`` works too
+        (``inputs``: the positional ones, ``keyword_only_inputs``: a dict).
+        ``ctx`` is torch's ``FunctionCtx``: ``save_for_backward``,
+        ``mark_non_differentiable``, ``set_materialize_grads``, attributes.
+        ``backward(ctx, *grads)`` gets one gradient per output (zeros for
+        unused floating outputs unless ``ctx.set_materialize_grads(False)``,
+        None for integer ones) and returns one gradient per input (or per
+        positional input): a Tensor of the input's dtype and shape (or one
+        that broadcasts to it, which is summed as autograd sums it), or None
+        (always None for non-tensor inputs). It is honoured by
         ``.backward()``, ``torch.autograd.grad`` and every torch.func reverse
         transform (``grad``, ``vjp``, ``jacrev``, ``hessian``), at any nesting.
 
@@ -149,9 +177,23 @@ class CustomOpDef:
                 f"{self._qualname}.register_autograd: expected setup_context to be "
                 f"callable or None, got {type(setup_context).__name__}."
             )
-        self._backward_fn = backward
-        self._setup_context_fn = setup_context
+        super().register_autograd(backward, setup_context=setup_context)
+        self._setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
+            setup_context
+        )
         return backward
+
+    def register_fake(self, fn: F, /) -> F:
+        """Registers the fake (meta) implementation used by ``torch.compile`` and fake tensors.
+
+        Optional: without it the op's own function runs on fake tensors.
+        Returns ``fn``, so it can be used as a decorator.
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}."
+            )
+        return super().register_fake(fn)
 
     @overload
     def register_jvp(
@@ -193,95 +235,84 @@ class CustomOpDef:
             )
         self._jvp_fn = jvp
         self._jvp_setup_context_fn = setup_context
+        self._jvp_setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
+            setup_context
+        )
         self._registration.set_has_jvp(True)
         return jvp
 
-    def register_fake(self, fn: F, /) -> F:
-        """Registers the fake (meta) implementation used by ``torch.compile`` and fake tensors.
-
-        Optional: without it the op's own function runs on fake tensors.
-        Returns ``fn``, so it can be used as a decorator.
-        """
-        if not callable(fn):
-            raise TypeError(
-                f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}."
-            )
-        self._fake_fn = fn
-        return fn
-
-    def register_kernel(
-        self, device_types: Union[str, Sequence[str]], fn: Optional[F] = None, /
-    ) -> Any:
-        """Registers ``fn`` as the op's implementation for ``device_types`` ("cpu", "cuda", ...).
-
-        It overrides the op's own function there. Returns ``fn`` (or a decorator
-        when ``fn`` is omitted).
-        """
-        if fn is None:
-            return lambda f: self.register_kernel(device_types, f)
-        for key in _device_keys(device_types):
-            self._lib.impl(self._name, fn, key, allow_override=True)
-        return fn
-
-    def register_vmap(self, rule: F, /) -> F:
+    def register_vmap(self, rule: Optional[F] = None, /) -> Any:
         """Registers a batching rule that replaces the automatic one, as :func:`torch.library.register_vmap`.
 
-        ``rule(info, in_dims, *args) -> (output, out_dims)``: ``info.batch_size``
-        and ``info.randomness`` describe the vmap; ``in_dims`` holds each
-        argument's batch dim (None when unbatched) and ``args`` the unbatched
-        tensors. You rarely need this: by default vmap runs the op's own
-        function once on batched tensors. The registered backward still governs
-        gradients. Returns ``rule``, so it can be used as a decorator.
+        ``rule(info, in_dims, *args, **keyword_only_args) -> (output, out_dims)``:
+        ``info.batch_size`` and ``info.randomness`` describe the vmap;
+        ``in_dims`` holds each positional argument's batch dim (None when
+        unbatched) and ``args`` the unbatched tensors; ``out_dims`` is an int
+        or None per output, or a pytree matching the output. It runs through
+        torch's own helper for such rules. You rarely need this: by default
+        vmap runs the op's own function once on batched tensors. The
+        registered backward still governs gradients. Returns ``rule``, so it
+        can be used as a decorator.
         """
+        if rule is None:
+            return lambda fn: self.register_vmap(fn)
         if not callable(rule):
             raise TypeError(
                 f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}."
             )
-        self._vmap_rule = rule
+        self._vmap_fn = rule
         self._registration.set_vmap_mode(_VMAP_RULE)
         return rule
 
     # ------------------------------------- called by the C++ kernels (internal)
-    def _run_vmap_rule(
-        self, batch_size: int, randomness: int, in_dims: tuple[Any, ...], args: tuple[Any, ...]
-    ) -> tuple[tuple[Any, ...], tuple[Optional[int], ...]]:
-        info = VmapInfo(batch_size, _RANDOMNESS[randomness])
-        result = self._vmap_rule(info, in_dims, *args)  # type: ignore[misc]
-        rule_name = _fn_name(self._vmap_rule)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise RuntimeError(
-                f"torch_autobatch: the vmap rule of {self._qualname} ({rule_name}) must "
-                f"return a tuple (output, out_dims); got {type(result).__name__}."
-            )
-        out, out_dims = result
-        num_returns = len(self._opoverload._schema.returns)
-        if num_returns == 1:
-            out, out_dims = (out,), (out_dims,)
-        if not isinstance(out, tuple) or not isinstance(out_dims, tuple) or not (
-            len(out) == len(out_dims) == num_returns
-        ):
-            raise RuntimeError(
-                f"torch_autobatch: the vmap rule of {self._qualname} ({rule_name}) returned "
-                f"output={out!r:.60} and out_dims={out_dims!r}; expected {num_returns} "
-                f"output(s) and as many out_dims (an int, or None for an unbatched output)."
-            )
-        for d in out_dims:
-            if d is not None and not isinstance(d, int):
-                raise RuntimeError(
-                    f"torch_autobatch: the vmap rule of {self._qualname} ({rule_name}) "
-                    f"returned out_dims={out_dims!r}; each must be an int or None."
-                )
-        return out, out_dims
+    def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Schema-ordered arguments as (positional, keyword-only)."""
+        n = len(args) - len(self._kwarg_only)
+        return args[:n], dict(zip(self._kwarg_only, args[n:]))
+
+    def _run_vmap_rule(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The register_vmap rule on the batched ``args``, by torch's helper; one value per return."""
+        positional, kwargs = self._split_args(args)
+        out = custom_function_call_vmap_helper(
+            retrieve_current_functorch_interpreter(),
+            self._vmap_fn,
+            self._opoverload,
+            *positional,
+            **kwargs,
+        )
+        return (out,) if self._num_returns == 1 else tuple(out)
 
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
-        return (self._fake_fn or self._init_fn)(*args, **kwargs)
+        return (self._abstract_fn or self._init_fn)(*args, **kwargs)
+
+    def _call_setup_context(
+        self,
+        setup: Callable[..., Any],
+        kwonly_form: bool,
+        ctx: BackwardContext,
+        inputs: tuple[Any, ...],
+        output: Any,
+    ) -> None:
+        if kwonly_form:
+            positional, kwargs = self._split_args(inputs)
+            setup(ctx, positional, kwargs, output)
+        else:
+            setup(ctx, inputs, output)
+        if getattr(ctx, "dirty_tensors", None):
+            raise RuntimeError(
+                f"torch_autobatch: the setup_context of {self._qualname} "
+                f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
+                f"mutates no input (mutates_args=()). Return new tensors instead."
+            )
 
     def _setup_autograd(
         self, inputs: tuple[Any, ...], output: Any, needs_input_grad: tuple[bool, ...]
     ) -> BackwardContext:
         ctx = BackwardContext(needs_input_grad)
         if self._setup_context_fn is not None:
-            self._setup_context_fn(ctx, inputs, output)
+            self._call_setup_context(
+                self._setup_context_fn, self._setup_context_kwonly, ctx, inputs, output
+            )
         return ctx
 
     def _run_backward(
@@ -293,7 +324,7 @@ class CustomOpDef:
                 f"{self._name}.register_autograd(backward, setup_context=setup_context) "
                 f"to differentiate through it."
             )
-        return run_backward(self._backward_fn, ctx, saved, grads)
+        return run_backward(self._backward_fn, ctx, saved, grads, len(self._kwarg_only))
 
     @property
     def _backward_fn_name(self) -> str:
@@ -311,9 +342,15 @@ class CustomOpDef:
         needs_input_grad: tuple[bool, ...],
     ) -> tuple[Any, ...]:
         ctx = BackwardContext(needs_input_grad)
-        setup = self._jvp_setup_context_fn or self._setup_context_fn
-        if setup is not None:
-            setup(ctx, inputs, outputs[0] if self._num_returns == 1 else outputs)
+        output = outputs[0] if self._num_returns == 1 else outputs
+        if self._jvp_setup_context_fn is not None:
+            self._call_setup_context(
+                self._jvp_setup_context_fn, self._jvp_setup_context_kwonly, ctx, inputs, output
+            )
+        elif self._setup_context_fn is not None:
+            self._call_setup_context(
+                self._setup_context_fn, self._setup_context_kwonly, ctx, inputs, output
+            )
         result = run_jvp(self._jvp_fn, ctx, tangents)
         if self._num_returns == 1 and not isinstance(result, tuple):
             result = (result,)
@@ -329,9 +366,9 @@ class CustomOpDef:
 
     def _composite_tangents(self, args: tuple[Any, ...]) -> tuple[Optional[torch.Tensor], ...]:
         """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
-        n = len(args) - len(self._kwarg_only)
+        positional, kwargs = self._split_args(args)
         try:
-            out = self._init_fn(*args[:n], **dict(zip(self._kwarg_only, args[n:])))
+            out = self._init_fn(*positional, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
             if not any(k in str(e) for k in ("forward", "Forward", "data pointer", "storage")):
                 raise
@@ -396,6 +433,7 @@ def custom_op(
     mutates_args: Union[str, Iterable[str]],
     device_types: DeviceTypes = None,
     schema: Optional[str] = None,
+    tags: Any = None,
     vmap: str = "auto",
 ) -> Any:
     """Makes a Python function built from torch ops into a dispatcher operator.
@@ -421,6 +459,7 @@ def custom_op(
         mutates_args: must be ``()`` (mutating ops are not supported yet).
         device_types: device types ``fn`` implements (default: all).
         schema: the schema string (default: inferred from ``fn``'s type hints).
+        tags: ``torch.Tag`` s for the op, as in :func:`torch.library.custom_op`.
         vmap: ``"auto"`` (default): vmap runs ``fn`` once on batched tensors,
             so each torch op inside is batched by its own rule. ``"loop"``:
             one call per example, for a ``fn`` that cannot be batched (uses
@@ -442,6 +481,6 @@ def custom_op(
             f, mutates_args=mutates_args
         )
         _check_functional(name, mutates_args, op_schema)
-        return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap)
+        return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags)
 
     return inner if fn is None else inner(fn)

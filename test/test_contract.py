@@ -1,0 +1,357 @@
+"""torch.library's contract, item by item, on torch_autobatch ops.
+
+Each test here fails without the feature it names. Rules that are not the
+true derivative (2x) prove they are honoured rather than bypassed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_autobatch
+
+NS = "tab_contract"
+
+
+def _x(*shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape) + len(shape))
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------
+# An op returning List[Tensor] with a register_vmap rule that returns (result, 0).
+@torch_autobatch.custom_op(f"{NS}::split_copy", mutates_args=())
+def split_copy(x: torch.Tensor, splits: list[int], dim: int) -> list[torch.Tensor]:
+    return [t.clone() for t in torch.tensor_split(x, splits, dim)]
+
+
+@split_copy.register_vmap
+def _split_copy_vmap(info, in_dims, x, splits, dim):
+    x_bdim, _, _ = in_dims
+    return split_copy(x.movedim(x_bdim, 0), splits, dim + 1), 0
+
+
+# An op returning (List[Tensor], int), with out_dims a pytree matching it.
+@torch_autobatch.custom_op(f"{NS}::split_copy_with_int", mutates_args=())
+def split_copy_with_int(
+    x: torch.Tensor, splits: list[int], dim: int
+) -> tuple[list[torch.Tensor], int]:
+    return [t.clone() for t in torch.tensor_split(x, splits, dim)], len(splits)
+
+
+@split_copy_with_int.register_vmap
+def _split_copy_with_int_vmap(info, in_dims, x, splits, dim):
+    x_bdim, _, _ = in_dims
+    parts, n = split_copy_with_int(x.movedim(x_bdim, 0), splits, dim + 1)
+    return (parts, n), ([0] * len(parts), None)
+
+
+# An op with a keyword-only argument: torch.library's 4-argument
+# setup_context, a backward returning positional gradients only, and a vmap
+# rule taking the keyword-only argument as a keyword.
+@torch_autobatch.custom_op(f"{NS}::mul_scalar", mutates_args=())
+def mul_scalar(x: torch.Tensor, *, scalar: float) -> torch.Tensor:
+    return x * scalar
+
+
+SEEN: dict[str, object] = {}
+
+
+def _mul_scalar_setup(ctx, inputs, keyword_only_inputs, output):
+    SEEN["inputs"], SEEN["keyword_only_inputs"] = inputs, keyword_only_inputs
+    ctx.scalar = keyword_only_inputs["scalar"]
+
+
+mul_scalar.register_autograd(
+    lambda ctx, grad: 2 * grad * ctx.scalar, setup_context=_mul_scalar_setup
+)
+
+
+@mul_scalar.register_vmap
+def _mul_scalar_vmap(info, in_dims, x, *, scalar):
+    SEEN["rule_scalar"] = scalar
+    (x_bdim,) = in_dims
+    return mul_scalar(x, scalar=scalar), x_bdim
+
+
+# A backward returning a gradient broadcast to a larger shape (grad * y).
+@torch_autobatch.custom_op(f"{NS}::bcast_mul", mutates_args=())
+def bcast_mul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * y
+
+
+def _bcast_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _bcast_mul_backward(ctx, grad):
+    x, y = ctx.saved_tensors
+    return 2 * grad * y, 2 * grad * x  # not reduced to x's / y's shapes
+
+
+bcast_mul.register_autograd(_bcast_mul_backward, setup_context=_bcast_mul_setup)
+
+
+def _bcast_mul_oracle(x, y):
+    """x * y whose gradients are 2x the true ones."""
+    z = x * y
+    return 2 * z - z.detach()
+
+
+# ctx.mark_non_differentiable and set_materialize_grads.
+@torch_autobatch.custom_op(f"{NS}::sort", mutates_args=())
+def sort(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.sort(x, dim=-1)
+    return values, indices.to(x.dtype)  # a floating output that has no gradient
+
+
+GRADS: list[tuple] = []
+
+
+def _sort_setup(ctx, inputs, output):
+    _, indices = output
+    ctx.mark_non_differentiable(indices)
+    ctx.save_for_backward(indices)
+    ctx.set_materialize_grads(SEEN.get("materialize", True))
+
+
+def _sort_backward(ctx, grad_values, grad_indices):
+    GRADS.append((grad_values, grad_indices))
+    (indices,) = ctx.saved_tensors
+    gx = torch.zeros_like(grad_values).scatter(-1, indices.long(), grad_values)
+    return 2 * gx
+
+
+sort.register_autograd(_sort_backward, setup_context=_sort_setup)
+
+
+class TestVmapRuleContract(TestCase):
+    def test_list_output_with_rule_is_batched_once(self):
+        x = _x(3, 1, 9)
+        out = torch.vmap(split_copy, in_dims=(0, None, None))(x, [1, 3, 6], 1)
+        self.assertEqual([tuple(o.shape) for o in out], [(3, 1, 1), (3, 1, 2), (3, 1, 3), (3, 1, 3)])
+        self.assertEqual(out, [torch.stack(p) for p in zip(*(split_copy(xi, [1, 3, 6], 1) for xi in x))])
+
+    def test_pytree_out_dims(self):
+        x = _x(3, 2, 9)
+        parts, n = torch.vmap(split_copy_with_int, in_dims=(0, None, None), out_dims=(0, None))(
+            x, [1, 3, 6], 1
+        )
+        self.assertEqual(n, 3)
+        self.assertEqual([tuple(o.shape) for o in parts], [(3, 2, 1), (3, 2, 2), (3, 2, 3), (3, 2, 3)])
+
+    def test_keyword_only_arguments_reach_the_rule_as_keywords(self):
+        x = _x(4, 3)
+        self.assertEqual(torch.vmap(lambda x: mul_scalar(x, scalar=1.5))(x), 1.5 * x)
+        self.assertEqual(SEEN["rule_scalar"], 1.5)
+
+    def test_rule_and_backward_together(self):
+        # vmap(grad): the rule computes the forward, the registered backward (2x) the gradient.
+        x = _x(4, 3)
+        g = torch.vmap(torch.func.grad(lambda x: mul_scalar(x, scalar=1.5).sum()))(x)
+        self.assertEqual(g, torch.full_like(x, 3.0))
+
+    def test_torch_library_register_vmap_by_name_routes_to_ours(self):
+        @torch_autobatch.custom_op(f"{NS}::by_name", mutates_args=())
+        def by_name(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        calls = []
+
+        def rule(info, in_dims, x):
+            calls.append(info.batch_size)
+            return x.sin(), in_dims[0]
+
+        torch.library.register_vmap(f"{NS}::by_name", rule)
+        by_name.register_autograd(lambda ctx, g: 2 * g * ctx.x.cos(),
+                                  setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0]))
+        x = _x(5, 2)
+        self.assertEqual(torch.vmap(by_name)(x), x.sin())
+        self.assertEqual(calls, [5])
+        # Our batched kernel, not torch's Python one: vmap(grad) works, backward honoured.
+        self.assertEqual(torch.vmap(torch.func.grad(lambda x: by_name(x).sum()))(x), 2 * x.cos())
+
+
+class TestSetupContextContract(TestCase):
+    def test_four_argument_setup_context(self):
+        x = _x(3).requires_grad_()
+        (g,) = torch.autograd.grad(mul_scalar(x, scalar=3.0).sum(), x)
+        self.assertEqual(g, torch.full_like(x, 6.0))
+        self.assertEqual(len(SEEN["inputs"]), 1)
+        self.assertIs(SEEN["inputs"][0], x)
+        self.assertEqual(SEEN["keyword_only_inputs"], {"scalar": 3.0})
+        self.assertEqual(torch.func.grad(lambda x: mul_scalar(x, scalar=3.0).sum())(x.detach()),
+                         torch.full_like(x, 6.0))
+
+    def test_mark_non_differentiable_and_materialized_zeros(self):
+        x = _x(2, 4).requires_grad_()
+        values, indices = sort(x)
+        self.assertTrue(values.requires_grad)
+        self.assertFalse(indices.requires_grad)
+        self.assertIsNone(indices.grad_fn)
+        GRADS.clear()
+        (g,) = torch.autograd.grad(values.sum(), x)
+        self.assertEqual(g, torch.full_like(x, 2.0))
+        (grad_values, grad_indices) = GRADS[-1]
+        self.assertEqual(grad_indices, torch.zeros_like(indices))  # materialized, like autograd.Function
+
+    def test_mark_non_differentiable_under_torch_func(self):
+        x = _x(3, 4)
+        self.assertEqual(torch.func.grad(lambda x: sort(x)[0].sum())(x[0]), torch.full((4,), 2.0, dtype=x.dtype))
+        self.assertEqual(torch.vmap(torch.func.grad(lambda x: sort(x)[0].sum()))(x), torch.full_like(x, 2.0))
+        jac = torch.func.jacrev(lambda x: sort(x)[1])(x[0])
+        self.assertEqual(jac, torch.zeros(4, 4, dtype=x.dtype))
+
+    def test_set_materialize_grads_false_gives_none(self):
+        SEEN["materialize"] = False
+        try:
+            x = _x(2, 4).requires_grad_()
+            GRADS.clear()
+            torch.autograd.grad(sort(x)[0].sum(), x)
+            self.assertIsNone(GRADS[-1][1])
+        finally:
+            SEEN.pop("materialize")
+
+    def test_mark_non_differentiable_needs_an_output(self):
+        @torch_autobatch.custom_op(f"{NS}::bad_mark", mutates_args=())
+        def bad_mark(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        bad_mark.register_autograd(
+            lambda ctx, g: g, setup_context=lambda ctx, i, o: ctx.mark_non_differentiable(i[0])
+        )
+        with self.assertRaisesRegex(RuntimeError, "bad_mark passed ctx.mark_non_differentiable a value"):
+            bad_mark(_x(3).requires_grad_())
+
+    def test_mark_dirty_on_a_functional_op_is_refused(self):
+        @torch_autobatch.custom_op(f"{NS}::bad_dirty", mutates_args=())
+        def bad_dirty(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        bad_dirty.register_autograd(
+            lambda ctx, g: g, setup_context=lambda ctx, i, o: ctx.mark_dirty(i[0])
+        )
+        with self.assertRaisesRegex(RuntimeError, "called ctx.mark_dirty, but tab_contract::bad_dirty mutates no input"):
+            bad_dirty(_x(3).requires_grad_())
+
+    def test_ctx_is_torchs_function_ctx(self):
+        self.assertTrue(issubclass(torch_autobatch.BackwardContext, torch.autograd.function.FunctionCtx))
+
+    def test_kernel_that_calls_numpy_runs_with_grad_mode_off(self):
+        # As in torch.library: x.numpy() inside the kernel works for inputs that require grad.
+        @torch_autobatch.custom_op(f"{NS}::np_sin", mutates_args=())
+        def np_sin(x: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(x.numpy().copy()).sin()
+
+        np_sin.register_autograd(lambda ctx, g: 2 * g * ctx.x.cos(),
+                                 setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0]))
+        x = _x(3).requires_grad_()
+        (g,) = torch.autograd.grad(np_sin(x).sum(), x)
+        self.assertEqual(g, 2 * x.detach().cos())
+
+
+class TestBroadcastGradients(TestCase):
+    def test_broadcast_gradient_is_summed_like_autograd(self):
+        x, y = _x(3), _x(2, 3)
+        xs, ys = x.clone().requires_grad_(), y.clone().requires_grad_()
+        got = torch.autograd.grad(bcast_mul(xs, ys).sum(), (xs, ys))
+        expected = torch.autograd.grad(_bcast_mul_oracle(xs, ys).sum(), (xs, ys))
+        self.assertEqual(got, expected)
+        got = torch.func.grad(lambda x, y: bcast_mul(x, y).sum(), argnums=(0, 1))(x, y)
+        expected = torch.func.grad(lambda x, y: _bcast_mul_oracle(x, y).sum(), argnums=(0, 1))(x, y)
+        self.assertEqual(got, expected)
+
+    def test_broadcast_gradient_under_vmap(self):
+        xs, y = _x(4, 3), _x(2, 3)
+        f = torch.func.grad(lambda x, y: bcast_mul(x, y).sum(), argnums=(0, 1))
+        oracle = torch.func.grad(lambda x, y: _bcast_mul_oracle(x, y).sum(), argnums=(0, 1))
+        got = torch.vmap(f, in_dims=(0, None))(xs, y)
+        expected = torch.vmap(oracle, in_dims=(0, None))(xs, y)
+        self.assertEqual(got, expected)
+
+
+class TestTorchLibrarySurface(TestCase):
+    def test_is_a_torch_library_custom_op_def(self):
+        self.assertIsInstance(bcast_mul, torch._library.custom_ops.CustomOpDef)
+        self.assertIs(torch._library.custom_ops._maybe_get_opdef(f"{NS}::bcast_mul"), bcast_mul)
+
+    def test_opcheck_takes_the_op(self):
+        for op, args, kwargs in (
+            (bcast_mul, (_x(3).requires_grad_(), _x(2, 3)), {}),
+            (mul_scalar, (_x(3).requires_grad_(),), {"scalar": 2.0}),
+            (split_copy, (_x(2, 9), [1, 3, 6], 1), {}),
+        ):
+            torch.library.opcheck(op, args, kwargs)
+
+    def test_register_autograd_by_name_routes_to_ours(self):
+        @torch_autobatch.custom_op(f"{NS}::reg_by_name", mutates_args=())
+        def reg_by_name(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        torch.library.register_autograd(
+            f"{NS}::reg_by_name",
+            lambda ctx, g: 2 * g * ctx.x.cos(),
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+        )
+        x = _x(4)
+        # torch's own Autograd kernel would fail here ("must override the setup_context").
+        self.assertEqual(torch.func.grad(lambda x: reg_by_name(x).sum())(x), 2 * x.cos())
+        self.assertEqual(torch.vmap(torch.func.grad(lambda x: reg_by_name(x).sum()))(x[:, None]),
+                         2 * x.cos()[:, None])
+
+    def test_register_fake_by_name(self):
+        @torch_autobatch.custom_op(f"{NS}::fake_by_name", mutates_args=())
+        def fake_by_name(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        seen = []
+        torch.library.register_fake(f"{NS}::fake_by_name", lambda x: seen.append(1) or torch.empty_like(x))
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            out = fake_by_name(mode.from_tensor(_x(3)))
+        self.assertEqual(tuple(out.shape), (3,))
+        self.assertEqual(seen, [1])
+
+    def test_register_kernel_and_set_kernel_enabled(self):
+        @torch_autobatch.custom_op(f"{NS}::kernel_switch", mutates_args=())
+        def kernel_switch(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        kernel_switch.register_kernel("cpu", lambda x: x.cos())
+        x = _x(3)
+        self.assertEqual(kernel_switch(x), x.cos())
+        with kernel_switch.set_kernel_enabled("cpu", False):
+            self.assertEqual(kernel_switch(x), x.sin())
+        self.assertEqual(kernel_switch(x), x.cos())
+
+    def test_register_autocast(self):
+        @torch_autobatch.custom_op(f"{NS}::autocast_mm", mutates_args=())
+        def autocast_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a @ b
+
+        autocast_mm.register_autocast("cpu", torch.bfloat16)
+        a, b = torch.randn(2, 3), torch.randn(3, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            self.assertEqual(autocast_mm(a, b).dtype, torch.bfloat16)
+        self.assertEqual(autocast_mm(a, b).dtype, torch.float32)
+
+    def test_register_torch_dispatch(self):
+        @torch_autobatch.custom_op(f"{NS}::dispatch_rule", mutates_args=())
+        def dispatch_rule(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        class Mode(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        dispatch_rule.register_torch_dispatch(Mode, lambda mode, func, types, args, kwargs: args[0] + 100)
+        x = _x(3)
+        with Mode():
+            self.assertEqual(dispatch_rule(x), x + 100)
+        self.assertEqual(dispatch_rule(x), x.sin())
+
+
+if __name__ == "__main__":
+    run_tests()
