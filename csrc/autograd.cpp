@@ -529,14 +529,28 @@ class AutogradKernel final : public c10::OperatorKernel {
       any_requires_grad |= t.defined() && t.requires_grad();
     }
     const bool needs_node = any_requires_grad && c10::GradMode::is_enabled();
+    if (needs_node && schema.is_mutable()) {
+      check_mutated_need_no_grad(schema, args);
+    }
     std::vector<c10::IValue> saved_args;
     if (needs_node || any_tangent) {
       saved_args.assign(args.begin(), args.end());
     }
 
     {
-      // The user's forward runs once, below autograd: never recorded.
-      at::AutoDispatchBelowADInplaceOrView guard;
+      // The user's forward runs once, below autograd: never recorded. A
+      // mutating op goes through ADInplaceOrView, whose kernel (torch's,
+      // registered by CustomOpDef) bumps the mutated inputs' versions, so a
+      // tensor saved for backward and mutated here is caught as autograd
+      // does (NOTE [Mutating ops]).
+      const bool mutates = schema.is_mutable();
+      std::optional<at::AutoDispatchBelowAutograd> below_autograd;
+      std::optional<at::AutoDispatchBelowADInplaceOrView> below_ad_inplace;
+      if (mutates) {
+        below_autograd.emplace();
+      } else {
+        below_ad_inplace.emplace();
+      }
       // NOTE [The kernel sees grad mode off when a node is made]
       // As in torch.library (the kernel runs in autograd.Function.forward),
       // the backend kernel runs with grad mode off when this call makes a
@@ -549,7 +563,9 @@ class AutogradKernel final : public c10::OperatorKernel {
       if (needs_node && !at::functorch::maybeCurrentDynamicLayer().has_value()) {
         no_grad.emplace(false);
       }
-      op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+      op.redispatchBoxed(
+          ks & (mutates ? c10::after_autograd_keyset : c10::after_ADInplaceOrView_keyset),
+          stack);
     }
 
     const auto returns = torch::jit::last(*stack, num_returns);
@@ -689,6 +705,31 @@ class AutogradKernel final : public c10::OperatorKernel {
     }
     // A tangent computed from the dual inputs would itself carry a tangent.
     return torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
+  }
+
+  // NOTE [Mutating ops]
+  // An op may mutate inputs (mutates_args): its backward differentiates the
+  // others. A mutated input that requires grad would need its history
+  // rebased onto this op, as autograd does for in-place aten ops; the user's
+  // backward has no gradient for "the input before the mutation", so that is
+  // refused with a clear error rather than silently losing the mutation's
+  // derivative.
+  void check_mutated_need_no_grad(
+      const c10::FunctionSchema& schema,
+      c10::ArrayRef<c10::IValue> args) const {
+    for (size_t a = 0; a < args.size(); ++a) {
+      const auto& info = schema.arguments()[a].alias_info();
+      TORCH_CHECK(
+          !(info && info->isWrite() && requires_grad(args[a])),
+          "torch_autobatch: ",
+          state_->qualname,
+          " mutates its argument '",
+          schema.arguments()[a].name(),
+          "' in place, and that tensor requires grad. A custom op's backward "
+          "cannot differentiate through its own mutation: pass a tensor that "
+          "does not require grad (e.g. a buffer, or x.detach().clone()), or make "
+          "the op functional and return the new value.");
+    }
   }
 
   static bool requires_grad(const c10::IValue& v) {

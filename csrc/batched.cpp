@@ -79,8 +79,13 @@ void unwrap_wrapper_level(std::vector<at::Tensor>& ts, const DynamicLayer& layer
 }
 
 bool looks_like_batching_failure(const std::string& msg) {
-  if (msg.find("randomness") != std::string::npos) {
-    return false; // vmap(..., randomness="error"): functorch's message is clear
+  for (const char* clear : {"randomness", "inplace arithmetic"}) {
+    if (msg.find(clear) != std::string::npos) {
+      // functorch's own message is clear and our ways out would not help:
+      // vmap(..., randomness="error"), or a mutation of an unbatched tensor
+      // with a batched value (vmap="loop" would mutate it once per example).
+      return false;
+    }
   }
   for (const char* needle :
        {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage",

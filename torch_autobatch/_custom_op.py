@@ -177,7 +177,12 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._qualname}.register_autograd: expected setup_context to be "
                 f"callable or None, got {type(setup_context).__name__}."
             )
-        super().register_autograd(backward, setup_context=setup_context)
+        if self._opoverload._schema.is_mutable:
+            # torch.library refuses autograd for any mutating op; we differentiate
+            # the inputs it does not mutate (NOTE [Mutating ops]).
+            self._backward_fn, self._setup_context_fn = backward, setup_context
+        else:
+            super().register_autograd(backward, setup_context=setup_context)
         self._setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
             setup_context
         )
@@ -400,13 +405,8 @@ def _tangent(t: Any) -> Optional[torch.Tensor]:
     return torch.autograd.forward_ad.unpack_dual(t, level=0).tangent
 
 
-def _check_functional(qualname: str, mutates_args: Any, schema: str) -> None:
-    if mutates_args != () and mutates_args != []:
-        raise NotImplementedError(
-            f"torch_autobatch.custom_op({qualname!r}): mutates_args={mutates_args!r} "
-            f"is not supported yet; only functional operators are. Return new "
-            f"tensors instead of mutating inputs, and pass mutates_args=()."
-        )
+def _check_schema(qualname: str, schema: str) -> None:
+    """Refuses what our kernels cannot honour; mutation (``Tensor(a!)``) is fine."""
     parsed = torch._C.parse_schema(qualname + schema)
     for arg in parsed.arguments:
         if str(arg.type) == "List[Optional[Tensor]]":
@@ -415,13 +415,13 @@ def _check_functional(qualname: str, mutates_args: Any, schema: str) -> None:
                 f"type {arg.type}, which is not supported yet. Use list[Tensor] "
                 f"or separate Optional[Tensor] arguments."
             )
-    if parsed.is_mutable or any(
-        a.alias_info is not None for a in list(parsed.arguments) + list(parsed.returns)
-    ):
+    aliasing = [a for a in parsed.arguments if a.alias_info is not None and not a.alias_info.is_write]
+    if aliasing or any(r.alias_info is not None for r in parsed.returns):
         raise NotImplementedError(
             f"torch_autobatch.custom_op({qualname!r}): the schema {schema!r} declares "
-            f"mutation or aliasing, which is not supported yet; remove the "
-            f"annotations (Tensor(a!), Tensor(a)) and return new tensors."
+            f"an output that aliases an input (a view, or a returned mutated input), "
+            f"which is not supported; return new tensors (mutating inputs, "
+            f"Tensor(a!) with mutates_args, is supported)."
         )
 
 
@@ -456,7 +456,10 @@ def custom_op(
     Args:
         name: ``"namespace::name"``; the op is then ``torch.ops.namespace.name``.
         fn: the implementation; omit it to use ``custom_op`` as a decorator.
-        mutates_args: must be ``()`` (mutating ops are not supported yet).
+        mutates_args: the names of the arguments the function mutates in place
+            (``()`` for none), as in :func:`torch.library.custom_op`. A mutated
+            argument gets no gradient; the others are differentiated by the
+            registered backward.
         device_types: device types ``fn`` implements (default: all).
         schema: the schema string (default: inferred from ``fn``'s type hints).
         tags: ``torch.Tag`` s for the op, as in :func:`torch.library.custom_op`.
@@ -480,7 +483,16 @@ def custom_op(
         op_schema = schema if schema is not None else infer_schema(
             f, mutates_args=mutates_args
         )
-        _check_functional(name, mutates_args, op_schema)
+        _check_schema(name, op_schema)
+        if schema is not None:
+            parsed = torch._C.parse_schema(name + schema)
+            written = {a.name for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write}
+            declared = {mutates_args} if isinstance(mutates_args, str) else set(mutates_args)
+            if declared != {"unknown"} and written != declared:
+                raise ValueError(
+                    f"torch_autobatch.custom_op({name!r}): mutates_args={mutates_args!r} "
+                    f"but the schema {schema!r} mutates {sorted(written)}; make them agree."
+                )
         return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags)
 
     return inner if fn is None else inner(fn)

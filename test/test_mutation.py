@@ -1,0 +1,152 @@
+"""Mutating operators (``mutates_args``): in-place and out-buffer ops, as torch.library allows.
+
+NOTE [Mutating ops] in csrc/autograd.cpp: a mutated input gets no gradient;
+the registered backward differentiates the others.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_autobatch
+
+NS = "tab_mutation"
+
+
+@torch_autobatch.custom_op(f"{NS}::scale_", mutates_args={"x"})
+def scale_(x: torch.Tensor, s: float) -> None:
+    x.mul_(s)
+
+
+@torch_autobatch.custom_op(f"{NS}::sin_into", mutates_args={"out"})
+def sin_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x.sin())
+
+
+# Returns a new value and updates a running statistic (a buffer) in place.
+@torch_autobatch.custom_op(f"{NS}::track", mutates_args={"stats"})
+def track(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    stats.add_(x)
+    return x.sin()
+
+
+track.register_autograd(
+    lambda ctx, g: (2 * g * ctx.x.cos(), None),  # 2x the true derivative: honoured, not derived
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+)
+
+
+def _x(*shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape) + 7)
+    return torch.randn(*shape, generator=g)
+
+
+class TestMutatingOps(TestCase):
+    def test_eager(self):
+        x = _x(3)
+        y = x.clone()
+        scale_(y, 2.0)
+        self.assertEqual(y, 2 * x)
+        out = torch.empty(3)
+        torch.ops.tab_mutation.sin_into(x, out)
+        self.assertEqual(out, x.sin())
+
+    def test_version_counter_is_bumped(self):
+        stats = torch.zeros(3)
+        v = stats._version
+        track(_x(3), stats)
+        self.assertGreater(stats._version, v)
+
+    def test_a_tensor_saved_for_backward_then_mutated_is_caught(self):
+        x, w = _x(3).requires_grad_(), _x(3)
+        y = x * w  # saves w for x's gradient
+        scale_(w, 2.0)
+        with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
+            y.sum().backward()
+
+    def test_autograd_for_the_inputs_it_does_not_mutate(self):
+        x, stats = _x(3).requires_grad_(), torch.zeros(3)
+        track(x, stats).sum().backward()
+        self.assertEqual(x.grad, 2 * x.detach().cos())
+        self.assertEqual(stats, x.detach())
+        stats = torch.zeros(3)
+        g = torch.func.grad(lambda x: track(x, stats).sum())(x.detach())
+        self.assertEqual(g, 2 * x.detach().cos())
+        self.assertEqual(stats, x.detach())
+
+    def test_mutated_input_that_requires_grad_is_refused(self):
+        x = _x(3).requires_grad_()
+        with self.assertRaisesRegex(
+            RuntimeError, "tab_mutation::scale_ mutates its argument 'x' in place, and that tensor requires grad"
+        ):
+            scale_(x.clone(), 2.0)
+
+    def test_vmap_batched_mutation(self):
+        x = _x(4, 3)
+        y = x.clone()
+
+        def scaled(y):
+            scale_(y, 2.0)
+            return y
+
+        self.assertEqual(torch.vmap(scaled)(y), 2 * x)
+        self.assertEqual(y, 2 * x)
+        out = torch.empty(4, 3)
+        torch.vmap(sin_into, out_dims=None)(x, out)
+        self.assertEqual(out, x.sin())
+        # Per-sample gradients of an op that updates batched statistics.
+        stats = torch.zeros(4, 3)
+        g = torch.vmap(torch.func.grad(lambda x, s: track(x, s).sum()))(x, stats)
+        self.assertEqual(g, 2 * x.cos())
+        self.assertEqual(stats, x)
+
+    def test_vmap_mutating_an_unbatched_tensor_with_a_batched_value_is_functorchs_error(self):
+        # The same error as the plain function gets, unchanged.
+        def plain_sin_into(x, out):
+            out.copy_(x.sin())
+
+        def plain_track(x, stats):
+            stats.add_(x)
+            return x.sin()
+
+        x = _x(4, 3)
+        for ours, plain, message in (
+            (sin_into, plain_sin_into, r"^vmap: inplace arithmetic\(self, \*extra_args\) is not possible"),
+            (track, plain_track, r"doesn't match the broadcast shape \[4, 3\]"),
+        ):
+            with self.assertRaisesRegex(RuntimeError, message) as expected:
+                torch.vmap(lambda x: plain(x, torch.zeros(3)), out_dims=None)(x)
+            with self.assertRaisesRegex(RuntimeError, "^" + re.escape(str(expected.exception)) + "$"):
+                torch.vmap(lambda x: ours(x, torch.zeros(3)), out_dims=None)(x)
+
+    def test_compile(self):
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def f(x, stats):
+            scale_(stats, 0.5)
+            return track(3 * x, stats)
+
+        x, stats = _x(3).requires_grad_(), torch.ones(3)
+        f(x.detach(), stats)  # also without grad
+        self.assertEqual(stats, 0.5 + 3 * x.detach())
+        stats = torch.ones(3)
+        f(x, stats).sum().backward()
+        self.assertEqual(stats, 0.5 + 3 * x.detach())
+        self.assertEqual(x.grad, 3 * 2 * (3 * x.detach()).cos())  # track's 2x backward, not derived
+
+    def test_opcheck(self):
+        torch.library.opcheck(scale_, (_x(3), 2.0))
+        torch.library.opcheck(sin_into, (_x(3), torch.empty(3)))
+        torch.library.opcheck(track, (_x(3).requires_grad_(), torch.zeros(3)))
+
+    def test_schema_and_mutates_args_must_agree(self):
+        with self.assertRaisesRegex(ValueError, r"mutates_args=\(\) but the schema .* mutates \['x'\]"):
+            torch_autobatch.custom_op(
+                f"{NS}::disagree", lambda x: x.add_(1), mutates_args=(), schema="(Tensor(a!) x) -> ()"
+            )
+
+
+if __name__ == "__main__":
+    run_tests()
