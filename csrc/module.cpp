@@ -33,6 +33,16 @@ std::unique_ptr<Registration> register_op(
   }
   state->opdef = PyRef(std::move(opdef));
 
+  // NOTE [Upgrading an existing op] (torch_autobatch/_upgrade.py): an op
+  // that torch.library.custom_op made has Python kernels at these keys; ours
+  // replace them while this registration lives (the dispatcher restores
+  // theirs when it is dropped). Replacing them is the point, so the
+  // dispatcher's "Overriding a previously registered kernel" warning is not
+  // shown.
+  struct Silent final : c10::WarningHandler {
+    void process(const c10::Warning&) override {}
+  } silent;
+  c10::WarningUtils::WarningHandlerGuard quiet(&silent);
   auto reg = std::make_unique<Registration>();
   reg->state = state;
   reg->lib = std::make_unique<torch::Library>(

@@ -3,6 +3,8 @@
 Public API:
 
 - :func:`custom_op` — a drop-in for :func:`torch.library.custom_op`;
+- :func:`autobatch` — the same for an operator that exists already (a third
+  party's ``torch.library.custom_op``), in place;
 - :class:`CustomOpDef` — the operator it returns (``register_autograd``,
   ``register_fake``, ``register_kernel``);
 - :class:`BackwardContext` — the ``ctx`` of ``setup_context``, ``backward`` and ``jvp``;
@@ -32,11 +34,13 @@ from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
 from ._trace_fx import TraceGraphs
 from ._tracer import Trace, current_trace, trace
+from ._upgrade import autobatch
 from ._version import __version__
 
 __all__ = [
     "BackwardContext",
     "UntestedTorchWarning",
+    "autobatch",
     "CustomOpDef",
     "Trace",
     "TraceGraphs",

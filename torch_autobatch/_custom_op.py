@@ -26,6 +26,7 @@ import torch
 from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import custom_ops as _torch_custom_ops
+from torch._library import utils as _library_utils
 from torch._library.infer_schema import infer_schema
 
 from . import _C
@@ -96,25 +97,54 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         device_types: DeviceTypes,
         vmap: str = "auto",
         tags: Any = None,
+        *,
+        define: bool = True,
     ) -> None:
+        # define=False: the operator exists already (autobatch()); only our
+        # kernels are added to it.
+        self._define = define
+        super().__init__(namespace, name, schema, fn, tags)
+        if define:
+            self.register_kernel(device_types)(fn)
+        self._install(vmap)
+
+    def _install(self, vmap: str) -> None:
+        """Installs our kernels (Autograd, FuncTorchBatched) on this op.
+
+        Also what turns a torch.library CustomOpDef into ours in place
+        (NOTE [Upgrading an existing op] in _upgrade.py): it reads the rules
+        already registered on it.
+        """
         self._jvp_fn: Optional[Callable[..., Any]] = None
         self._jvp_setup_context_fn: Optional[Callable[..., Any]] = None
-        self._setup_context_kwonly = self._jvp_setup_context_kwonly = False
-        super().__init__(namespace, name, schema, fn, tags)
         schema_args = self._opoverload._schema.arguments
         self._kwarg_only = tuple(a.name for a in schema_args if a.kwarg_only)
         self._num_returns = len(self._opoverload._schema.returns)
-        self.register_kernel(device_types)(fn)
+        self._setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
+            self._setup_context_fn
+        )
+        self._jvp_setup_context_kwonly = False
         self._registration = _C._register_op(self._qualname, self)
         if vmap == "loop":
             self._registration.set_vmap_mode(_VMAP_LOOP)
-        self.__name__ = name
-        self.__qualname__ = name
+        elif self._vmap_fn is not None:
+            self._registration.set_vmap_mode(_VMAP_RULE)
+        fn = self._init_fn
+        self.__name__ = self._name
+        self.__qualname__ = self._name
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
         self.__signature__ = inspect.signature(fn)
 
     # ------------------------------------------- torch's CustomOpDef, overridden
+    def _register_to_dispatcher(self, tags: Any) -> None:
+        if self._define:
+            super()._register_to_dispatcher(tags)
+            return
+        self._opoverload = _library_utils.lookup_op(self._qualname)
+        self._is_inplace = _library_utils.is_inplace(self._opoverload)
+        self._is_out = _library_utils.is_out(self._opoverload)
+
     def _validate_schema(self, schema: Any, schema_str: str) -> None:
         pass  # keyword-only tensors are supported; custom_op() checked the rest
 
