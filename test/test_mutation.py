@@ -122,6 +122,28 @@ class TestMutatingOps(TestCase):
             with self.assertRaisesRegex(RuntimeError, "^" + re.escape(str(expected.exception)) + "$"):
                 torch.vmap(lambda x: ours(x, torch.zeros(3)), out_dims=None)(x)
 
+    def test_functionalize_is_torchs_refusal_as_for_torch_library(self):
+        # KNOWN LIMIT, torch's: eager torch.func.functionalize refuses any custom
+        # op whose schema mutates, torch.library's included, with the same error.
+        # A Functionalize kernel of ours would switch off the auto_functionalize
+        # that torch.compile relies on (test_compile), so we add none.
+        @torch.library.custom_op(f"{NS}::tl_scale_", mutates_args={"x"})
+        def tl_scale_(x: torch.Tensor, s: float) -> None:
+            x.mul_(s)
+
+        def f(op):
+            def g(x):
+                y = x.clone()
+                op(y, 3.0)
+                return y
+            return g
+
+        with self.assertRaises(RuntimeError) as expected:
+            torch.func.functionalize(f(tl_scale_))(_x(3))
+        message = str(expected.exception).replace("tl_scale_", "scale_")
+        with self.assertRaisesRegex(RuntimeError, "^" + re.escape(message) + "$"):
+            torch.func.functionalize(f(scale_))(_x(3))
+
     def test_compile(self):
         @torch.compile(backend="aot_eager", fullgraph=True)
         def f(x, stats):
