@@ -120,9 +120,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         schema_args = self._opoverload._schema.arguments
         self._kwarg_only = tuple(a.name for a in schema_args if a.kwarg_only)
         self._num_returns = len(self._opoverload._schema.returns)
-        self._setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
-            self._setup_context_fn
-        )
+        self._setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
         self._jvp_setup_context_kwonly = False
         self._registration = _C._register_op(self._qualname, self)
         if vmap == "loop":
@@ -135,6 +133,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
         self.__signature__ = inspect.signature(fn)
+
+    def _kwonly_form(self, setup_context: Optional[Callable[..., Any]]) -> bool:
+        """Does ``setup_context`` take ``keyword_only_inputs`` (for this op)?"""
+        return bool(self._kwarg_only) and _takes_keyword_only_inputs(setup_context)
 
     # ------------------------------------------- torch's CustomOpDef, overridden
     def _register_to_dispatcher(self, tags: Any) -> None:
@@ -213,9 +215,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             self._backward_fn, self._setup_context_fn = backward, setup_context
         else:
             super().register_autograd(backward, setup_context=setup_context)
-        self._setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
-            setup_context
-        )
+        self._setup_context_kwonly = self._kwonly_form(setup_context)
         return backward
 
     def register_fake(self, fn: F, /) -> F:
@@ -270,9 +270,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             )
         self._jvp_fn = jvp
         self._jvp_setup_context_fn = setup_context
-        self._jvp_setup_context_kwonly = bool(self._kwarg_only) and _takes_keyword_only_inputs(
-            setup_context
-        )
+        self._jvp_setup_context_kwonly = self._kwonly_form(setup_context)
         self._registration.set_has_jvp(True)
         return jvp
 
