@@ -184,6 +184,16 @@ class TestSetupContextContract(TestCase):
         self.assertEqual(torch.func.grad(lambda x: mul_scalar(x, scalar=3.0).sum())(x.detach()),
                          torch.full_like(x, 6.0))
 
+    def test_positional_gradients_only_never_drop_a_keyword_only_tensors_gradient(self):
+        @torch_autobatch.custom_op(f"{NS}::kw_tensor", mutates_args=())
+        def kw_tensor(x: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+            return x * w
+
+        kw_tensor.register_autograd(lambda ctx, g: 2 * g, setup_context=lambda ctx, i, o: None)
+        x, w = _x(3), _x(3).requires_grad_()
+        with self.assertRaisesRegex(RuntimeError, r"returned 1 gradient\(s\), but the op has 2 input\(s\) \(x, w\)"):
+            kw_tensor(x, w=w).sum().backward()
+
     def test_mark_non_differentiable_and_materialized_zeros(self):
         x = _x(2, 4).requires_grad_()
         values, indices = sort(x)

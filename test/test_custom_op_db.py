@@ -14,7 +14,7 @@ against the original torch.library op run eagerly:
 - ``vmap`` (through their rules) against the original under vmap and against a
   per-example loop, shapes exact;
 - ``torch.func.grad`` and ``torch.func.vjp`` against eager autograd of the original;
-- ``vmap(grad)`` (per-sample gradients) against a loop of eager autograd;
+- ``vmap(grad)`` and ``vmap(vjp)`` (per-sample gradients) against a loop of eager autograd;
 - ``jvp``: a clear error naming ``register_jvp`` (the functions leave torch through
   numpy), never zeros (the original gives silent zeros).
 """
@@ -207,7 +207,7 @@ class TestCustomOpDb(TestCase):
             )
 
     @parametrize("name", AUTOGRAD)
-    def test_vmap_of_grad_matches_a_loop_of_eager_autograd(self, name):
+    def test_vmap_of_grad_and_vjp_match_a_loop_of_eager_autograd(self, name):
         original, ours = PAIRS[name]
         if name in NEEDS_CAT_RULE:
             ours = FIXED[name]
@@ -221,6 +221,12 @@ class TestCustomOpDb(TestCase):
                 for b in range(B)
             ])
             self.assertEqual(got, loop)
+
+            def per_sample_vjp(*p):
+                _, pullback = torch.func.vjp(lambda *q: tuple(_floats(s.fn(ours.op)(*q))), *p)
+                return pullback(tuple(weights))
+
+            self.assertEqual(torch.vmap(per_sample_vjp)(*xs), loop)
 
     @parametrize("name", AUTOGRAD)
     def test_jvp_is_a_clear_error_never_zeros(self, name):

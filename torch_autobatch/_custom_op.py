@@ -119,6 +119,14 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         self._jvp_setup_context_fn: Optional[Callable[..., Any]] = None
         schema_args = self._opoverload._schema.arguments
         self._kwarg_only = tuple(a.name for a in schema_args if a.kwarg_only)
+        # A backward may return gradients for the positional inputs only (as
+        # torch.library allows) unless a keyword-only input is a tensor: its
+        # gradient must then be returned, never silently dropped.
+        self._positional_grads_ok = not any(
+            a.kwarg_only and _library_utils.is_tensorlist_like_type(a.type)
+            or a.kwarg_only and _library_utils.is_tensor_like_type(a.type)
+            for a in schema_args
+        )
         self._num_returns = len(self._opoverload._schema.returns)
         self._setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
         self._jvp_setup_context_kwonly = False
@@ -357,7 +365,8 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._name}.register_autograd(backward, setup_context=setup_context) "
                 f"to differentiate through it."
             )
-        return run_backward(self._backward_fn, ctx, saved, grads, len(self._kwarg_only))
+        num_padded = len(self._kwarg_only) if self._positional_grads_ok else 0
+        return run_backward(self._backward_fn, ctx, saved, grads, num_padded)
 
     @property
     def _backward_fn_name(self) -> str:
