@@ -223,27 +223,18 @@ class TestSetupContextContract(TestCase):
         finally:
             SEEN.pop("materialize")
 
-    def test_mark_non_differentiable_needs_an_output(self):
-        @torch_autobatch.custom_op(f"{NS}::bad_mark", mutates_args=())
-        def bad_mark(x: torch.Tensor) -> torch.Tensor:
-            return x.sin()
-
-        bad_mark.register_autograd(
-            lambda ctx, g: g, setup_context=lambda ctx, i, o: ctx.mark_non_differentiable(i[0])
-        )
-        with self.assertRaisesRegex(RuntimeError, "bad_mark passed ctx.mark_non_differentiable a value"):
-            bad_mark(_x(3).requires_grad_())
-
-    def test_mark_dirty_on_a_functional_op_is_refused(self):
-        @torch_autobatch.custom_op(f"{NS}::bad_dirty", mutates_args=())
-        def bad_dirty(x: torch.Tensor) -> torch.Tensor:
-            return x.sin()
-
-        bad_dirty.register_autograd(
-            lambda ctx, g: g, setup_context=lambda ctx, i, o: ctx.mark_dirty(i[0])
-        )
-        with self.assertRaisesRegex(RuntimeError, "called ctx.mark_dirty, but tab_contract::bad_dirty mutates no input"):
-            bad_dirty(_x(3).requires_grad_())
+    def test_ctx_calls_that_do_not_fit_the_op_are_clear_errors(self):
+        for name, setup, message in (
+            ("bad_mark", lambda ctx, i, o: ctx.mark_non_differentiable(i[0]),
+             "bad_mark passed ctx.mark_non_differentiable a value that is not one of the op's outputs"),
+            ("bad_dirty", lambda ctx, i, o: ctx.mark_dirty(i[0]),
+             "called ctx.mark_dirty, but tab_contract::bad_dirty mutates no input"),
+        ):
+            op = torch_autobatch.custom_op(f"{NS}::{name}", lambda x: x.sin(), mutates_args=(),
+                                           schema="(Tensor x) -> Tensor")
+            op.register_autograd(lambda ctx, g: g, setup_context=setup)
+            with self.assertRaisesRegex(RuntimeError, message):
+                op(_x(3).requires_grad_())
 
     def test_ctx_is_torchs_function_ctx(self):
         self.assertTrue(issubclass(torch_autobatch.BackwardContext, torch.autograd.function.FunctionCtx))
