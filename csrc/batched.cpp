@@ -145,7 +145,7 @@ class BatchedKernel final : public c10::OperatorKernel {
           c10::AutogradState::get_tls_state().get_fw_grad_mode() &&
           !state_->has_jvp.load());
       if (mode == VmapMode::Rule) {
-        run_rule(op, *layer, stack);
+        run_rule(op, stack);
       } else {
         run_composite(op, functorch::innermost(*batched), stack);
       }
@@ -216,11 +216,8 @@ class BatchedKernel final : public c10::OperatorKernel {
         "example (slower, correct for values and gradients).");
   }
 
-  // The user's register_vmap rule, on the tensors unwrapped at this level.
-  void run_rule(
-      const c10::OperatorHandle& op,
-      const DynamicLayer& layer,
-      torch::jit::Stack* stack) const;
+  // The user's register_vmap rule, through torch's helper for such rules.
+  void run_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) const;
 
   // vmap="loop": one call per example, one level down; each call gets its own
   // grad nodes there, so no node is attached here.
@@ -519,10 +516,7 @@ void BatchedKernel::attach_grad_nodes(
   hand_over(-1);
 }
 
-void BatchedKernel::run_rule(
-    const c10::OperatorHandle& op,
-    const DynamicLayer& layer,
-    torch::jit::Stack* stack) const {
+void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) const {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   const size_t num_returns = schema.returns().size();
