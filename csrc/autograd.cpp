@@ -584,6 +584,9 @@ class AutogradKernel final : public c10::OperatorKernel {
       node->set_history(outputs);
     }
     py::gil_scoped_acquire gil;
+    // setup_context and the jvp are user Python: NOTE [User Python sees a
+    // plain caller's state].
+    functorch::AsPlainCaller plain;
     if (any_tangent) {
       // Before the node saves anything: a saved output keeps its tangent.
       set_tangents(saved_args, returns, ret_slots, outputs);

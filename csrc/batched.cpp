@@ -164,6 +164,9 @@ class BatchedKernel final : public c10::OperatorKernel {
       const at::Tensor& physical,
       torch::jit::Stack* stack) const {
     try {
+      // Each op inside enters through the front key, as in a plain function:
+      // NOTE [User Python sees a plain caller's state].
+      functorch::AsPlainCaller plain;
       op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
     } catch (py::error_already_set& e) {
       // A Python kernel's exception arrives as pybind11's; make it torch's.
@@ -381,7 +384,9 @@ void BatchedKernel::attach_grad_nodes(
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs) const {
-  const auto& layers = at::functorch::getDynamicLayerStack();
+  // A copy: setup_context below runs user Python, which may replace the
+  // thread's functorch state (an autograd engine run inside it).
+  const auto layers = at::functorch::getDynamicLayerStack();
 
   // 1. Walk down the levels; attach a node, with history on the outputs, at
   //    each autograd level where an input requires grad.
@@ -483,8 +488,12 @@ void BatchedKernel::attach_grad_nodes(
   py::gil_scoped_acquire gil;
   std::vector<at::Tensor> saved;
   std::vector<bool> non_differentiable;
-  py::object ctx = call_setup_context(
-      *state_, args, returns, outputs, needs_arg, saved, non_differentiable);
+  py::object ctx;
+  {
+    functorch::AsPlainCaller plain;
+    ctx = call_setup_context(
+        *state_, args, returns, outputs, needs_arg, saved, non_differentiable);
+  }
 
   // 3. The same walk for the saved tensors: each node saves them as seen at
   //    its level, with their batch dims in its frames.

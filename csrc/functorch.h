@@ -122,6 +122,55 @@ class LowerToLevel {
   c10::impl::LocalDispatchKeySet saved_tls_;
 };
 
+// NOTE [User Python sees a plain caller's state]
+// Our kernels run inside the top interpreter's process(): the top level holds
+// the dispatch TLS of its caller (savedLocalDispatchKeySet_) and the thread's
+// TLS is the one process() set up (FuncTorchDynamicLayerFrontMode excluded).
+// User Python run from there (the op's function under vmap, setup_context, a
+// jvp) that calls a torch.func transform pushes a level whose ops skip the
+// excluded front key, so the new level never saves a key set and
+// dynamicLayerBack asserts (Interpreter.h, savedLocalDispatchKeySet_); random
+// ops with FrontMode kernels (dropout family) skip vmap's randomness checks.
+// A plain function called at that point sees the same stack with the top
+// *not* processing and the caller's TLS. So, for the guard's lifetime, the
+// stack is a copy whose top has its saved key set cleared, and the TLS is that
+// saved set; both are restored on every exit path. No-op outside transforms,
+// or when the top is not processing.
+class AsPlainCaller {
+ public:
+  AsPlainCaller()
+      : saved_stack_(at::functorch::getDynamicLayerStack()),
+        saved_tls_(c10::impl::tls_local_dispatch_key_set()) {
+    // process() excludes the front key from the TLS while it runs: that is
+    // how we know the top is processing (its saved key set is then set).
+    if (saved_stack_.empty() ||
+        !c10::impl::tls_is_dispatch_key_excluded(
+            c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+      return;
+    }
+    std::vector<DynamicLayer> stack = saved_stack_;
+    auto& top = stack.back().interpreter();
+    const auto caller_tls = top.getSavedLocalDispatchKeySet();
+    top.clearSavedLocalDispatchKeySet();
+    at::functorch::setDynamicLayerStack(stack);
+    c10::impl::_force_tls_local_dispatch_key_set(caller_tls);
+    active_ = true;
+  }
+  AsPlainCaller(const AsPlainCaller&) = delete;
+  AsPlainCaller& operator=(const AsPlainCaller&) = delete;
+  ~AsPlainCaller() {
+    if (active_) {
+      at::functorch::setDynamicLayerStack(saved_stack_);
+      c10::impl::_force_tls_local_dispatch_key_set(saved_tls_);
+    }
+  }
+
+ private:
+  std::vector<DynamicLayer> saved_stack_;
+  c10::impl::LocalDispatchKeySet saved_tls_;
+  bool active_ = false;
+};
+
 // Pushes a vmap level for the lifetime of the guard (exception-safe).
 class VmapLevelGuard {
  public:

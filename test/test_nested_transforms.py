@@ -1,0 +1,147 @@
+"""torch.func inside the user's own code, and randomness inside the op, as in a plain function.
+
+NOTE [User Python sees a plain caller's state] (csrc/functorch.h): the op's
+function under vmap, setup_context and the jvp run with the functorch state a
+plain function would see at that point. Oracle: the same code as a plain
+function under the same transform (with the registered 2x backward where the
+op's own derivative is taken).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch.func import grad, jacrev, jvp, vmap
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_autobatch
+
+NS = "tab_nested"
+
+
+def energy(x: torch.Tensor) -> torch.Tensor:
+    return (x.sin() ** 2).sum()
+
+
+def forces_plain(x: torch.Tensor) -> torch.Tensor:
+    """A force field: minus the gradient of an energy, by torch.func."""
+    return -grad(energy)(x)
+
+
+forces = torch_autobatch.custom_op(f"{NS}::forces", forces_plain, mutates_args=(),
+                                   schema="(Tensor x) -> Tensor")
+# forces(x) = -sin(2x); the registered backward is 2x the true one.
+forces.register_autograd(lambda ctx, g: 2 * g * -2 * torch.cos(2 * ctx.x),
+                         setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+
+
+def forces_2x_grad(x: torch.Tensor) -> torch.Tensor:
+    return 2 * -2 * torch.cos(2 * x)
+
+
+@torch_autobatch.custom_op(f"{NS}::square", mutates_args=())
+def square(x: torch.Tensor) -> torch.Tensor:
+    return x * x
+
+
+def _square_setup(ctx, inputs, output):
+    # setup_context itself calls a transform.
+    ctx.dx = grad(lambda x: (x * x).sum())(inputs[0])
+
+
+square.register_autograd(lambda ctx, g: 2 * g * ctx.dx, setup_context=_square_setup)
+
+X = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+T = torch.ones(3, dtype=torch.float64)
+
+# (name, f(op) -> result, expected)
+FORWARD_CASES: dict[str, tuple[Callable, Callable]] = {
+    "eager": (lambda op: op(X[0]), lambda: forces_plain(X[0])),
+    "vmap": (lambda op: vmap(op)(X), lambda: vmap(forces_plain)(X)),
+    "vmap_vmap": (lambda op: vmap(vmap(op))(X[None].expand(2, 5, 3)),
+                  lambda: vmap(vmap(forces_plain))(X[None].expand(2, 5, 3))),
+    "jvp": (lambda op: jvp(op, (X[0],), (T,))[1], lambda: jvp(forces_plain, (X[0],), (T,))[1]),
+    "vmap_jvp": (lambda op: vmap(lambda x: jvp(op, (x,), (T,))[1])(X),
+                 lambda: vmap(lambda x: jvp(forces_plain, (x,), (T,))[1])(X)),
+    "jvp_vmap": (lambda op: jvp(vmap(op), (X,), (torch.ones_like(X),))[1],
+                 lambda: jvp(vmap(forces_plain), (X,), (torch.ones_like(X),))[1]),
+    "grad": (lambda op: grad(lambda x: op(x).sum())(X[0]), lambda: forces_2x_grad(X[0])),
+    "vmap_grad": (lambda op: vmap(grad(lambda x: op(x).sum()))(X), lambda: forces_2x_grad(X)),
+    "grad_vmap": (lambda op: grad(lambda x: vmap(op)(x).sum())(X), lambda: forces_2x_grad(X)),
+    "jacrev": (lambda op: jacrev(op)(X[0]), lambda: torch.diag(forces_2x_grad(X[0]))),
+}
+
+
+class TestTorchFuncInsideTheOp(TestCase):
+    @parametrize("case", list(FORWARD_CASES))
+    def test_forward_that_calls_grad(self, case):
+        run, expected = FORWARD_CASES[case]
+        self.assertEqual(run(forces), expected())
+
+    @parametrize("case", ["eager_backward", "grad", "vmap_grad", "grad_vmap", "jacrev"])
+    def test_setup_context_that_calls_grad(self, case):
+        x = X[0]
+        if case == "eager_backward":
+            xr = x.clone().requires_grad_()
+            square(xr).sum().backward()
+            got, expected = xr.grad, 4 * x
+        elif case == "grad":
+            got, expected = grad(lambda x: square(x).sum())(x), 4 * x
+        elif case == "vmap_grad":
+            got, expected = vmap(grad(lambda x: square(x).sum()))(X), 4 * X
+        elif case == "grad_vmap":
+            got, expected = grad(lambda x: vmap(square)(x).sum())(X), 4 * X
+        else:
+            got, expected = jacrev(square)(x), torch.diag(4 * x)
+        self.assertEqual(got, expected)
+
+
+RANDOM_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # Ops with FuncTorchDynamicLayerFrontMode kernels (PyTorchOperatorHacks.cpp) ...
+    "feature_alpha_dropout": lambda x: torch.nn.functional.feature_alpha_dropout(x, 0.5, True),
+    "alpha_dropout": lambda x: torch.nn.functional.alpha_dropout(x, 0.5, True),
+    "feature_dropout": lambda x: torch.nn.functional.dropout2d(x, 0.5, True),
+    "dropout": lambda x: torch.nn.functional.dropout(x, 0.5, True),
+    # ... and plain random ops.
+    "rand_like": lambda x: x + torch.rand_like(x),
+    "bernoulli": lambda x: x * torch.bernoulli(torch.full_like(x, 0.5)),
+}
+RANDOM_OPS = {
+    name: torch_autobatch.custom_op(f"{NS}::random_{name}", fn, mutates_args=(),
+                                    schema="(Tensor x) -> Tensor")
+    for name, fn in RANDOM_FNS.items()
+}
+
+
+class TestRandomnessInsideTheOp(TestCase):
+    @parametrize("name", list(RANDOM_FNS))
+    @parametrize("randomness", ["error", "same", "different"])
+    def test_same_seed_same_values_as_the_plain_function(self, name, randomness):
+        y = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1))
+        plain, op = RANDOM_FNS[name], RANDOM_OPS[name]
+        torch.manual_seed(0)
+        try:
+            expected = vmap(plain, randomness=randomness)(y)
+        except RuntimeError as e:  # "error" mode; "same" with a batched bernoulli input
+            self.assertTrue(randomness == "error" or name == "bernoulli", str(e))
+            with self.assertRaisesRegex(RuntimeError, "^" + re.escape(str(e).splitlines()[0])):
+                vmap(op, randomness=randomness)(y)
+            return
+        self.assertNotEqual(randomness, "error")
+        torch.manual_seed(0)
+        got = vmap(op, randomness=randomness)(y)
+        self.assertEqual(got, expected, atol=0, rtol=0)
+
+
+instantiate_parametrized_tests(TestTorchFuncInsideTheOp)
+instantiate_parametrized_tests(TestRandomnessInsideTheOp)
+
+if __name__ == "__main__":
+    run_tests()
