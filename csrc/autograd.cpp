@@ -175,6 +175,18 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
       saved.push_back(sv.unpack(getptr()));
     }
   }
+  // The backward may run after the levels it was made under have exited
+  // (vmap(vjp(op)): the pullback runs outside vjp's level).
+  for (auto& t : saved) {
+    if (t.defined()) {
+      t = functorch::strip_dead_wrappers(std::move(t));
+    }
+  }
+  for (auto& g : grads) {
+    if (g.defined()) {
+      g = functorch::strip_dead_wrappers(std::move(g));
+    }
+  }
   // Like autograd.Function: an unused differentiable output gets zeros
   // (unless ctx.set_materialize_grads(False)).
   for (size_t i = 0; i < grads.size() && materialize_grads_; ++i) {

@@ -56,6 +56,21 @@ inline bool is_wrapped_at(const at::Tensor& t, int64_t level) {
   return w != nullptr && w->level() == level;
 }
 
+// `t` without the TensorWrappers of Grad/Jvp levels that have exited. A dead
+// wrapper only forwards to its value, but functorch's front fallback unwraps
+// one dead layer per visit (unwrapIfDead), so user code that wraps such a
+// tensor again (a backward calling torch.func.vjp) would reach an empty stack
+// with a BatchedTensor inside (INTERNAL ASSERT, Interpreter.cpp).
+inline at::Tensor strip_dead_wrappers(at::Tensor t) {
+  while (auto* w = at::functorch::maybeGetTensorWrapper(t)) {
+    if (w->is_alive()) {
+      break;
+    }
+    t = w->value();
+  }
+  return t;
+}
+
 // The innermost plain tensor under every BatchedTensor and TensorWrapper.
 inline at::Tensor innermost(at::Tensor t) {
   while (true) {

@@ -103,6 +103,50 @@ class TestTorchFuncInsideTheOp(TestCase):
         self.assertEqual(got, expected)
 
 
+def _sin_x_plain(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * x
+
+
+sin_x = torch_autobatch.custom_op(f"{NS}::sin_x", _sin_x_plain, mutates_args=(),
+                                  schema="(Tensor x) -> Tensor")
+
+
+def _sin_x_backward(ctx, g):
+    # The backward itself calls a transform: 2x the true VJP, by torch.func.vjp.
+    (x,) = ctx.saved_tensors
+    _, pullback = torch.func.vjp(_sin_x_plain, x)
+    return 2 * pullback(g)[0]
+
+
+sin_x.register_autograd(_sin_x_backward,
+                        setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+def _sin_x_2x_grad(x):
+    return 2 * (x.cos() * x + x.sin())
+
+
+BACKWARD_CASES: dict[str, tuple[Callable, Callable]] = {
+    "grad": (lambda: grad(lambda x: sin_x(x).sum())(X[0]), lambda: _sin_x_2x_grad(X[0])),
+    "vmap_grad": (lambda: vmap(grad(lambda x: sin_x(x).sum()))(X), lambda: _sin_x_2x_grad(X)),
+    "vmap_vjp": (lambda: vmap(lambda x: torch.func.vjp(sin_x, x)[1](T)[0])(X),
+                 lambda: _sin_x_2x_grad(X)),
+    "grad_vmap": (lambda: grad(lambda x: vmap(sin_x)(x).sum())(X), lambda: _sin_x_2x_grad(X)),
+    "jacrev": (lambda: jacrev(sin_x)(X[0]), lambda: torch.diag(_sin_x_2x_grad(X[0]))),
+    "vmap_jacrev": (lambda: vmap(jacrev(sin_x))(X), lambda: torch.diag_embed(_sin_x_2x_grad(X))),
+    # forward over reverse through the backward's own vjp: d/dx of the 2x gradient.
+    "jvp_grad": (lambda: jvp(grad(lambda x: sin_x(x).sum()), (X[0],), (T,))[1],
+                 lambda: 2 * (2 * X[0].cos() - X[0] * X[0].sin())),
+}
+
+
+class TestTorchFuncInsideTheBackward(TestCase):
+    @parametrize("case", list(BACKWARD_CASES))
+    def test_backward_that_calls_vjp(self, case):
+        run, expected = BACKWARD_CASES[case]
+        self.assertEqual(run(), expected())
+
+
 RANDOM_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # Ops with FuncTorchDynamicLayerFrontMode kernels (PyTorchOperatorHacks.cpp) ...
     "feature_alpha_dropout": lambda x: torch.nn.functional.feature_alpha_dropout(x, 0.5, True),
@@ -141,6 +185,7 @@ class TestRandomnessInsideTheOp(TestCase):
 
 
 instantiate_parametrized_tests(TestTorchFuncInsideTheOp)
+instantiate_parametrized_tests(TestTorchFuncInsideTheBackward)
 instantiate_parametrized_tests(TestRandomnessInsideTheOp)
 
 if __name__ == "__main__":
