@@ -177,14 +177,11 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
   }
   // The backward may run after the levels it was made under have exited
   // (vmap(vjp(op)): the pullback runs outside vjp's level).
-  for (auto& t : saved) {
-    if (t.defined()) {
-      t = functorch::strip_dead_wrappers(std::move(t));
-    }
-  }
-  for (auto& g : grads) {
-    if (g.defined()) {
-      g = functorch::strip_dead_wrappers(std::move(g));
+  for (auto* ts : {&saved, &grads}) {
+    for (auto& t : *ts) {
+      if (t.defined()) {
+        t = functorch::strip_dead_wrappers(std::move(t));
+      }
     }
   }
   // Like autograd.Function: an unused differentiable output gets zeros

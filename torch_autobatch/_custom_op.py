@@ -385,14 +385,13 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
     ) -> tuple[Any, ...]:
         ctx = BackwardContext(needs_input_grad)
         output = outputs[0] if self._num_returns == 1 else outputs
-        if self._jvp_setup_context_fn is not None:
-            self._call_setup_context(
-                self._jvp_setup_context_fn, self._jvp_setup_context_kwonly, ctx, inputs, output
-            )
-        elif self._setup_context_fn is not None:
-            self._call_setup_context(
-                self._setup_context_fn, self._setup_context_kwonly, ctx, inputs, output
-            )
+        setup, kwonly = (
+            (self._jvp_setup_context_fn, self._jvp_setup_context_kwonly)
+            if self._jvp_setup_context_fn is not None
+            else (self._setup_context_fn, self._setup_context_kwonly)
+        )
+        if setup is not None:
+            self._call_setup_context(setup, kwonly, ctx, inputs, output)
         result = run_jvp(self._jvp_fn, ctx, tangents)
         if self._num_returns == 1 and not isinstance(result, tuple):
             result = (result,)
