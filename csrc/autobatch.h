@@ -75,6 +75,32 @@ struct OpState {
   PyRef opdef;
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
+  // Its function needs an AD level to decompose some CompositeImplicit op:
+  // NOTE [Decompositions under an AD level] (batched.cpp).
+  std::atomic<bool> decompose_under_ad{false};
+};
+
+// The functorch Grad or Jvp level whose Autograd kernel is sending the op
+// being dispatched down to the levels below it, or 0; thread-local, set for
+// the guard's lifetime: NOTE [Decompositions under an AD level].
+inline thread_local int64_t t_sent_down_from_ad = 0;
+
+class SentDownFromAD {
+ public:
+  explicit SentDownFromAD(int64_t level) : saved_(t_sent_down_from_ad) {
+    t_sent_down_from_ad = level;
+  }
+  SentDownFromAD(const SentDownFromAD&) = delete;
+  SentDownFromAD& operator=(const SentDownFromAD&) = delete;
+  ~SentDownFromAD() {
+    t_sent_down_from_ad = saved_;
+  }
+  static int64_t level() {
+    return t_sent_down_from_ad;
+  }
+
+ private:
+  int64_t saved_;
 };
 
 // Where the tensors of one schema argument (or return) sit in a flat list of

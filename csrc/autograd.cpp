@@ -568,10 +568,15 @@ class AutogradKernel final : public c10::OperatorKernel {
       // functorch Grad level, grad mode must stay on for the levels below
       // (they read it to decide whether to attach their own node), and the
       // kernel sees unwrapped tensors that need no grad anyway.
+      const auto layer = at::functorch::maybeCurrentDynamicLayer();
       std::optional<c10::AutoGradMode> no_grad;
-      if (needs_node && !at::functorch::maybeCurrentDynamicLayer().has_value()) {
+      if (needs_node && !layer.has_value()) {
         no_grad.emplace(false);
       }
+      const bool ad_level = layer.has_value() &&
+          (layer->key() == functorch::TransformType::Grad ||
+           layer->key() == functorch::TransformType::Jvp);
+      SentDownFromAD sent_down(ad_level ? layer->layerId() : 0);
       op.redispatchBoxed(
           ks & (mutates ? c10::after_autograd_keyset : c10::after_ADInplaceOrView_keyset),
           stack);

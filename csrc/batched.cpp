@@ -127,6 +127,10 @@ class BatchedKernel final : public c10::OperatorKernel {
       op.redispatchBoxed(ks & kBelowBatched, stack);
       return;
     }
+    // Sent down by an AD level above this one (NOTE [Decompositions under an
+    // AD level]); user code run from here must not see that mark.
+    const bool under_ad = SentDownFromAD::level() > level;
+    SentDownFromAD not_sent_down(0);
     const auto mode = state_->vmap_mode.load();
     if (mode == VmapMode::Loop) {
       run_loop(op, *layer, stack);
@@ -147,7 +151,7 @@ class BatchedKernel final : public c10::OperatorKernel {
       if (mode == VmapMode::Rule) {
         run_rule(op, stack);
       } else {
-        run_composite(op, functorch::innermost(*batched), stack);
+        run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args);
       }
     }
     std::vector<at::Tensor> outputs;
@@ -159,35 +163,99 @@ class BatchedKernel final : public c10::OperatorKernel {
   }
 
  private:
+  // NOTE [Decompositions under an AD level]
+  // A CompositeImplicitAutograd op with no batching rule (column_stack of a
+  // TensorList, narrow with a tensor start) fails under vmap alone, for a
+  // plain function too: it decomposes only at the Autograd keys, and
+  // FuncTorchBatched outranks them. Under vmap(grad(f)) or vmap(jvp(f)) a
+  // plain function gets past it because the AD level's Autograd key
+  // decomposes the op before the vmap level sees it; our Autograd kernel sends
+  // the whole op below that level (marking it: SentDownFromAD), so that chance
+  // is gone. When the mark is above this vmap level and the composite fails
+  // for a missing batching rule, the composite runs again under a temporary
+  // Grad level of our own (grad mode off: it records nothing, and its
+  // prevGradMode keeps the levels below from recording), where such ops
+  // decompose as they would at the AD level; the vmap level batches the
+  // pieces. The op remembers it needs this (decompose_under_ad), so later
+  // calls under an AD level go straight there, and calls under vmap alone fail
+  // as the plain function does. Only failing ops pay for the extra level.
+  // The first call runs the composite up to the failing op twice, so random
+  // ops before it draw twice.
   void run_composite(
       const c10::OperatorHandle& op,
       const at::Tensor& physical,
-      torch::jit::Stack* stack) const {
+      torch::jit::Stack* stack,
+      bool under_ad,
+      const std::vector<c10::IValue>& args) const {
+    const bool decompose = under_ad && state_->decompose_under_ad.load();
+    const size_t base = stack->size() - args.size();
+    try {
+      run_composite_once(op, physical, stack, decompose, under_ad && !decompose);
+    } catch (const MissingBatchingRule&) {
+      state_->decompose_under_ad.store(true);
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+      stack->insert(stack->end(), args.begin(), args.end());
+      run_composite_once(op, physical, stack, /*decompose=*/true, /*may_retry=*/false);
+    }
+  }
+
+  // Thrown by run_composite_once when a decomposing rerun may succeed.
+  struct MissingBatchingRule {};
+
+  void run_composite_once(
+      const c10::OperatorHandle& op,
+      const at::Tensor& physical,
+      torch::jit::Stack* stack,
+      bool decompose,
+      bool may_retry) const {
     try {
       // Each op inside enters through the front key, as in a plain function:
       // NOTE [User Python sees a plain caller's state].
       functorch::AsPlainCaller plain;
+      if (!decompose) {
+        op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
+        return;
+      }
+      functorch::GradLevelGuard grad_level(/*prev_grad_mode=*/false);
       op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
+      for (auto it = stack->end() - static_cast<std::ptrdiff_t>(op.schema().returns().size());
+           it != stack->end(); ++it) {
+        *it = unwrap_returned(*it, grad_level.level());
+      }
     } catch (py::error_already_set& e) {
       // A Python kernel's exception arrives as pybind11's; make it torch's.
       try {
         rethrow_python_error(e);
       } catch (python_error& err) {
-        handle_composite_error(err);
+        handle_composite_error(err, may_retry);
       }
     } catch (python_error& e) {
-      handle_composite_error(e);
+      handle_composite_error(e, may_retry);
     } catch (const c10::Error& e) {
       if (!looks_like_batching_failure(e.what_without_backtrace())) {
         throw;
       }
-      fail_unbatchable(e.what_without_backtrace());
+      fail_unbatchable(e.what_without_backtrace(), may_retry);
     }
+  }
+
+  static c10::IValue unwrap_returned(const c10::IValue& v, int64_t level) {
+    if (v.isTensor()) {
+      return functorch::unwrap_grad_level(v.toTensor(), level);
+    }
+    if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) {
+        out.push_back(functorch::unwrap_grad_level(t, level));
+      }
+      return out;
+    }
+    return v;
   }
 
   // Turns functorch's "cannot batch this" into our error naming the op and
   // the ways out; any other exception (the user's own) goes on unchanged.
-  [[noreturn]] void handle_composite_error(python_error& e) const {
+  [[noreturn]] void handle_composite_error(python_error& e, bool may_retry) const {
     e.persist();
     bool is_runtime_error = false;
     {
@@ -198,18 +266,22 @@ class BatchedKernel final : public c10::OperatorKernel {
     if (!is_runtime_error || !looks_like_batching_failure(e.what())) {
       throw std::move(e);
     }
-    fail_unbatchable(e.what());
+    fail_unbatchable(e.what(), may_retry);
   }
 
-  [[noreturn]] void fail_unbatchable(const std::string& cause) const {
+  // functorch's message comes first, unchanged, as for a plain function.
+  [[noreturn]] void fail_unbatchable(const std::string& cause, bool may_retry) const {
+    if (may_retry && cause.find("Batching rule not implemented for") != std::string::npos) {
+      throw MissingBatchingRule{};
+    }
     const auto& name = state_->qualname.substr(state_->qualname.find("::") + 2);
     TORCH_CHECK(
         false,
-        "torch_autobatch: vmap of ",
-        state_->qualname,
-        " runs its function once on batched tensors, and that failed:\n  ",
         cause,
-        "\nA function vmap can batch uses torch ops only: no .item(), "
+        "\ntorch_autobatch: vmap of ",
+        state_->qualname,
+        " runs its function once on batched tensors, and that failed (above). "
+        "A function vmap can batch uses torch ops only: no .item(), "
         ".tolist(), .numpy(), no Python control flow on tensor values, and no "
         "autograd calls of its own (it runs with grad mode off). "
         "Two ways out: register a batching rule with ",

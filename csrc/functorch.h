@@ -186,6 +186,26 @@ class AsPlainCaller {
   bool active_ = false;
 };
 
+// Pushes a Grad level for the lifetime of the guard (exception-safe).
+// `prev_grad_mode` is the grad mode the levels below it see.
+class GradLevelGuard {
+ public:
+  explicit GradLevelGuard(bool prev_grad_mode)
+      : level_(at::functorch::initAndPushDynamicLayer(
+            TransformType::Grad, std::nullopt, std::nullopt, prev_grad_mode)) {}
+  GradLevelGuard(const GradLevelGuard&) = delete;
+  GradLevelGuard& operator=(const GradLevelGuard&) = delete;
+  ~GradLevelGuard() {
+    at::functorch::popDynamicLayerAndDeleteMetadata();
+  }
+  int64_t level() const {
+    return level_;
+  }
+
+ private:
+  int64_t level_;
+};
+
 // Pushes a vmap level for the lifetime of the guard (exception-safe).
 class VmapLevelGuard {
  public:

@@ -421,9 +421,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         outs = out if isinstance(out, tuple) else (out,)
         flat = [t for o in outs for t in (o if isinstance(o, list) else (o,))]
         tangents = tuple(_tangent(t) for t in flat)
-        if all(t is None for t in tangents) and any(
-            isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-            for t in flat
+        if (
+            all(t is None for t in tangents)
+            and any(_is_differentiable(t) for t in flat)
+            and not _outputs_come_from_inputs(self._init_fn, positional, kwargs)
         ):
             raise RuntimeError(
                 f"torch_autobatch: forward-mode AD through {self._qualname} got no "
@@ -433,6 +434,52 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._name}.register_jvp(jvp)."
             )
         return tangents
+
+
+def _is_differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+class _FromInputs(torch.overrides.TorchFunctionMode):
+    """Marks every tensor a torch function computes from the inputs, or from a marked tensor."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.keep = list(inputs)  # ids stay unique while we hold the tensors
+        self.marked = {id(t) for t in inputs}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and id(t) in self.marked for t in flat_in):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.keep.append(t)
+                    self.marked.add(id(t))
+        return out
+
+
+def _outputs_come_from_inputs(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """NOTE [Zero tangents]: whether ``fn``'s differentiable outputs are computed by
+    torch functions from its inputs (through any chain of torch functions).
+
+    Forward-mode AD gives an output no tangent both when it does not depend on
+    the inputs' tangents (scatter_reduce's "prod" where the tangent cancels, a
+    detach, an integer path: torch's jvp of the plain function gives zeros,
+    which is right) and when the function leaves torch (``.numpy()``,
+    ``.item()``, ``.tolist()`` and back: zeros would be silently wrong). Run
+    again under a TorchFunctionMode that follows values from the inputs, the
+    two differ: a value that went through numpy or Python numbers comes back as
+    a tensor no torch function computed from an input. Only on the path that
+    would otherwise raise.
+    """
+    inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    mode = _FromInputs(inputs)
+    with mode:
+        out = fn(*args, **kwargs)
+    outs = [t for t in torch.utils._pytree.tree_leaves(out) if _is_differentiable(t)]
+    return bool(outs) and all(id(t) in mode.marked for t in outs)
 
 
 def _tangent(t: Any) -> Optional[torch.Tensor]:
