@@ -229,8 +229,30 @@ class TestDerivedJvp(TestCase):
             via_numpy(fwAD.make_dual(randn(3), randn(3)))
         self.assertExpectedInline(
             str(cm.exception),
-            """torch_autobatch: forward-mode AD through tab_fwd::via_numpy got no tangent from its function: it is not differentiable in forward mode (it leaves torch, e.g. through .numpy() or .item(), or detaches). Returning zeros would be silently wrong. Register a jvp with via_numpy.register_jvp(jvp).""",
+            """torch_autobatch: forward-mode AD through tab_fwd::via_numpy got no tangent from its function: it is not differentiable in forward mode (it leaves torch, e.g. through .numpy(), .item() or .tolist()). Returning zeros would be silently wrong. Register a jvp with via_numpy.register_jvp(jvp).""",
         )
+
+    def test_zero_tangent_where_torch_gives_one(self):
+        # NOTE [Zero tangents]: outputs computed by torch from the inputs whose
+        # tangent does not flow (a detach, a comparison, scatter_reduce "prod"
+        # with a zero) get torch's zero tangent, not the leaves-torch error.
+        def plain(x, src):
+            index = torch.tensor([0, 0, 1])
+            prod = torch.zeros(2).scatter_reduce(0, index, src, "prod", include_self=False)
+            return (x.detach() * 2, (x > 0).to(x.dtype), prod)
+
+        op = torch_autobatch.custom_op("tab_fwd::zero_tangents", plain, mutates_args=(),
+                                       schema="(Tensor x, Tensor src) -> (Tensor, Tensor, Tensor)")
+        x, src = randn(3), torch.tensor([0.0, 0.0, 2.0])
+        t = (randn(3), randn(3))
+        expected = jvp(plain, (x, src), t)
+        got = jvp(op, (x, src), t)
+        self.assertEqual(got, expected)
+        self.assertEqual(got[1][0], torch.zeros_like(x))
+        with fwAD.dual_level():
+            out = op(fwAD.make_dual(x, t[0]), fwAD.make_dual(src, t[1]))
+            self.assertEqual([fwAD.unpack_dual(o).tangent for o in out], [None, None, None])
+        # ...while a function that leaves torch still raises (above).
 
 
 class TestBadJvp(TestCase):

@@ -184,6 +184,57 @@ class TestRandomnessInsideTheOp(TestCase):
         self.assertEqual(got, expected, atol=0, rtol=0)
 
 
+def _stack_plain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # column_stack of a TensorList, and narrow with a tensor start: both are
+    # CompositeImplicitAutograd with no batching rule.
+    return torch.column_stack([x, y]).narrow(0, torch.tensor(1), 3)
+
+
+stack2 = torch_autobatch.custom_op(f"{NS}::stack2", _stack_plain, mutates_args=(),
+                                   schema="(Tensor x, Tensor y) -> Tensor")
+
+
+def _stack2_backward(ctx, g):  # 2x the true VJP
+    gx = torch.cat([torch.zeros(1, dtype=g.dtype), g[:, 0], torch.zeros(1, dtype=g.dtype)])
+    gy = torch.cat([torch.zeros(1, dtype=g.dtype), g[:, 1], torch.zeros(1, dtype=g.dtype)])
+    return 2 * gx, 2 * gy
+
+
+stack2.register_autograd(_stack2_backward)
+Y = torch.randn(5, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+G = torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+class TestDecompositionsUnderAnADLevel(TestCase):
+    """NOTE [Decompositions under an AD level] (csrc/batched.cpp)."""
+
+    def _both(self, transform):
+        return transform(stack2), transform(_stack_plain)
+
+    def test_vmap_jvp(self):
+        got, expected = self._both(lambda f: vmap(lambda x, y: jvp(f, (x, y), (x.cos(), y))[1])(Y, Y.sin()))
+        self.assertEqual(got, expected)
+
+    def test_vmap_vjp_honours_the_backward(self):
+        got, expected = self._both(
+            lambda f: vmap(lambda x, y, g: torch.func.vjp(f, x, y)[1](g))(Y, Y.sin(), G))
+        self.assertEqual(got, tuple(2 * e for e in expected))
+
+    def test_vmap_grad_honours_the_backward(self):
+        got, expected = self._both(lambda f: vmap(grad(lambda x, y: (f(x, y) ** 2).sum()))(Y, Y.cos()))
+        self.assertEqual(got, 2 * expected)
+
+    def test_vmap_alone_fails_as_the_plain_function_does(self):
+        # Also after the op learned it needs an AD level (the tests above).
+        vmap(grad(lambda x, y: stack2(x, y).sum()))(Y, Y)
+        with self.assertRaises(RuntimeError) as plain:
+            vmap(_stack_plain)(Y, Y)
+        with self.assertRaises(RuntimeError) as ours:
+            vmap(stack2)(Y, Y)
+        self.assertEqual(str(ours.exception).splitlines()[0], str(plain.exception).splitlines()[0])
+        self.assertIn("stack2.register_vmap(rule)", str(ours.exception))
+
+
 instantiate_parametrized_tests(TestTorchFuncInsideTheOp)
 instantiate_parametrized_tests(TestTorchFuncInsideTheBackward)
 instantiate_parametrized_tests(TestRandomnessInsideTheOp)

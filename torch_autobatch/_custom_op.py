@@ -429,7 +429,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             raise RuntimeError(
                 f"torch_autobatch: forward-mode AD through {self._qualname} got no "
                 f"tangent from its function: it is not differentiable in forward mode "
-                f"(it leaves torch, e.g. through .numpy() or .item(), or detaches). "
+                f"(it leaves torch, e.g. through .numpy(), .item() or .tolist()). "
                 f"Returning zeros would be silently wrong. Register a jvp with "
                 f"{self._name}.register_jvp(jvp)."
             )
