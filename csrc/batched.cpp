@@ -605,7 +605,10 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
   try {
     // torch's helper for register_vmap rules unwraps the arguments at this
     // level, calls the rule one level down, checks what it returns and wraps
-    // the outputs by their out_dims (a pytree matching the output).
+    // the outputs by their out_dims (a pytree matching the output). The rule
+    // is user Python: a torch.func call in it needs the caller's state (NOTE
+    // [User Python sees a plain caller's state]).
+    functorch::AsPlainCaller plain;
     py::tuple py_args(num_args);
     auto args = torch::jit::last(*stack, num_args);
     for (size_t a = 0; a < num_args; ++a) {

@@ -354,5 +354,31 @@ class TestTorchLibrarySurface(TestCase):
         self.assertEqual(dispatch_rule(x), x.sin())
 
 
+class TestSparseInputs(TestCase):
+    """op_db's sparse.mm / sparse.sampled_addmm: a sparse CSR argument works as for a plain function."""
+
+    def test_sparse_csr_argument_eager_and_backward(self):
+        @torch_autobatch.custom_op(f"{NS}::sparse_mm", mutates_args=())
+        def sparse_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(a, b)
+
+        sparse_mm.register_autograd(
+            lambda ctx, g: (None, 2 * ctx.a.t() @ g),  # 2x the true gradient of b
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "a", inputs[0]),
+        )
+        dense = torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 3.0]], dtype=torch.float64)
+        a = dense.to_sparse_csr()
+        b = _x(3, 4).requires_grad_()
+        out = sparse_mm(a, b)
+        self.assertEqual(out, dense @ b)
+        out.sum().backward()
+        self.assertEqual(b.grad, 2 * dense.t() @ torch.ones(2, 4, dtype=torch.float64))
+        # torch.func itself refuses sparse CSR tensors, for a plain function too.
+        plain = lambda b: torch.sparse.mm(a, b).sum()  # noqa: E731
+        for f in (plain, lambda b: sparse_mm(a, b).sum()):
+            with self.assertRaisesRegex(RuntimeError, "Sparse CSR tensors do not have strides"):
+                torch.func.grad(f)(b.detach())
+
+
 if __name__ == "__main__":
     run_tests()

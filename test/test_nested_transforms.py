@@ -184,6 +184,25 @@ class TestRandomnessInsideTheOp(TestCase):
         self.assertEqual(got, expected, atol=0, rtol=0)
 
 
+forces_ruled = torch_autobatch.custom_op(f"{NS}::forces_ruled", forces_plain, mutates_args=(),
+                                        schema="(Tensor x) -> Tensor")
+forces_ruled.register_autograd(lambda ctx, g: 2 * g * -2 * torch.cos(2 * ctx.x),
+                               setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+
+
+@forces_ruled.register_vmap
+def _forces_rule(info, in_dims, x):
+    # The batching rule itself calls torch.func (vmap of grad).
+    return vmap(forces_plain, in_dims=in_dims)(x), 0
+
+
+class TestTorchFuncInsideTheVmapRule(TestCase):
+    @parametrize("case", ["vmap", "vmap_vmap", "vmap_grad", "grad_vmap", "vmap_jvp"])
+    def test_rule_that_calls_torch_func(self, case):
+        run, expected = FORWARD_CASES[case]
+        self.assertEqual(run(forces_ruled), expected())
+
+
 def _stack_plain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     # column_stack of a TensorList, and narrow with a tensor start: both are
     # CompositeImplicitAutograd with no batching rule.
@@ -236,6 +255,7 @@ class TestDecompositionsUnderAnADLevel(TestCase):
 
 
 instantiate_parametrized_tests(TestTorchFuncInsideTheOp)
+instantiate_parametrized_tests(TestTorchFuncInsideTheVmapRule)
 instantiate_parametrized_tests(TestTorchFuncInsideTheBackward)
 instantiate_parametrized_tests(TestRandomnessInsideTheOp)
 

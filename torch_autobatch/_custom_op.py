@@ -413,9 +413,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         except (RuntimeError, NotImplementedError) as e:
             if not any(k in str(e) for k in ("forward", "Forward", "data pointer", "storage")):
                 raise
+            # torch's message first, as for the plain function.
             raise type(e)(
-                f"torch_autobatch: forward-mode AD through {self._qualname} needs the "
-                f"forward-mode derivative of its function, which failed: {e}\n"
+                f"{e}\ntorch_autobatch: forward-mode AD through {self._qualname} needs the "
+                f"forward-mode derivative of its function, which failed (above). "
                 f"Register a jvp with {self._name}.register_jvp(jvp)."
             ) from e
         outs = out if isinstance(out, tuple) else (out,)
