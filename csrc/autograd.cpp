@@ -14,6 +14,8 @@
 #include "functorch.h"
 #include "grad_node.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/ExpandUtils.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -515,6 +517,50 @@ py::tuple to_py_tuple(c10::ArrayRef<c10::IValue> values) {
   return out;
 }
 
+// NOTE [Derived tangents draw the primal's random numbers]
+// Without a registered jvp the tangents come from running the function again
+// on the dual inputs (NOTE [Forward mode]). A random op inside (dropout) must
+// draw there exactly what the primal run drew, or the tangent belongs to
+// another mask: silently wrong. So the default generators of the inputs'
+// devices (and the CPU's) are put back to their state before the primal run
+// for the tangent run, and to their state after it once it is done: the
+// caller's random stream advances once, as for the plain function.
+class RngStates {
+ public:
+  explicit RngStates(const std::vector<at::Tensor>& inputs) {
+    add(at::detail::getDefaultCPUGenerator());
+    for (const auto& t : inputs) {
+      if (t.defined() && !t.is_cpu() && t.device().type() != c10::DeviceType::Meta) {
+        try {
+          add(at::globalContext().defaultGenerator(t.device()));
+        } catch (const c10::Error&) {
+          // A device without a default generator draws no random numbers.
+        }
+      }
+    }
+  }
+  void restore() const {
+    for (const auto& [gen, state] : states_) {
+      at::Generator g = gen;
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(state);
+    }
+  }
+
+ private:
+  void add(const at::Generator& gen) {
+    for (const auto& s : states_) {
+      if (s.first == gen) {
+        return;
+      }
+    }
+    at::Generator g = gen;
+    std::lock_guard<std::mutex> lock(g.mutex());
+    states_.emplace_back(gen, g.get_state());
+  }
+  std::vector<std::pair<at::Generator, at::Tensor>> states_;
+};
+
 class AutogradKernel final : public c10::OperatorKernel {
  public:
   explicit AutogradKernel(std::shared_ptr<OpState> state)
@@ -544,6 +590,11 @@ class AutogradKernel final : public c10::OperatorKernel {
     std::vector<c10::IValue> saved_args;
     if (needs_node || any_tangent) {
       saved_args.assign(args.begin(), args.end());
+    }
+    // NOTE [Derived tangents draw the primal's random numbers]
+    std::optional<RngStates> rng_before_primal;
+    if (any_tangent && !state_->has_jvp.load()) {
+      rng_before_primal.emplace(inputs);
     }
 
     {
@@ -603,7 +654,15 @@ class AutogradKernel final : public c10::OperatorKernel {
     functorch::AsPlainCaller plain;
     if (any_tangent) {
       // Before the node saves anything: a saved output keeps its tangent.
+      std::optional<RngStates> rng_after_primal;
+      if (rng_before_primal) {
+        rng_after_primal.emplace(inputs);
+        rng_before_primal->restore();
+      }
       set_tangents(saved_args, returns, ret_slots, outputs);
+      if (rng_after_primal) {
+        rng_after_primal->restore();
+      }
     }
     if (node) {
       std::vector<bool> needs_input_grad(num_args, false);

@@ -254,6 +254,31 @@ class TestDerivedJvp(TestCase):
             self.assertEqual([fwAD.unpack_dual(o).tangent for o in out], [None, None, None])
         # ...while a function that leaves torch still raises (above).
 
+    def test_derived_tangent_of_a_random_op_uses_the_primal_draw(self):
+        # NOTE [Derived tangents draw the primal's random numbers]: the tangent
+        # run must see the primal run's dropout mask, and the caller's random
+        # stream advances once, as for the plain function.
+        def plain(x):
+            return torch.nn.functional.dropout(x, 0.5, True) * 3
+
+        op = torch_autobatch.custom_op("tab_fwd::dropout3", plain, mutates_args=(),
+                                       schema="(Tensor x) -> Tensor")
+        x, t = randn(64), torch.ones(64, dtype=torch.float64)
+        runs = {
+            "jvp": lambda f: jvp(f, (x,), (t,)),
+            "vmap_jvp_same": lambda f: vmap(lambda x, t: jvp(f, (x,), (t,)), randomness="same")(
+                x.expand(3, 64), t.expand(3, 64)),
+            "vmap_jvp_different": lambda f: vmap(lambda x, t: jvp(f, (x,), (t,)),
+                                                 randomness="different")(x.expand(3, 64), t.expand(3, 64)),
+        }
+        for name, run in runs.items():
+            torch.manual_seed(0)
+            expected, after_plain = run(plain), torch.rand(3)
+            torch.manual_seed(0)
+            got, after_op = run(op), torch.rand(3)
+            self.assertEqual(got, expected, atol=0, rtol=0, msg=name)
+            self.assertEqual(after_op, after_plain, msg=name)
+
 
 class TestBadJvp(TestCase):
     def _op(self, name, jvp_fn):
