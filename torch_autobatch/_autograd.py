@@ -30,7 +30,20 @@ class BackwardContext(FunctionCtx):
     call :meth:`save_for_backward` for tensors, set plain attributes for
     anything else (``ctx.scale = scale``), :meth:`mark_non_differentiable` for
     outputs without a gradient, and :meth:`set_materialize_grads` to get None
-    instead of zeros for unused outputs' gradients.
+    instead of zeros for unused outputs' gradients::
+
+        >>> @torch_autobatch.custom_op("doc_BackwardContext::scale", mutates_args=())
+        ... def scale(x: torch.Tensor, s: float) -> torch.Tensor:
+        ...     return x * s
+        >>> def setup_context(ctx, inputs, output):
+        ...     print(ctx)
+        ...     ctx.s = inputs[1]  # a non-tensor: a plain attribute
+        >>> @scale.register_autograd(setup_context=setup_context)
+        ... def backward(ctx, grad):
+        ...     return grad * ctx.s, None
+        >>> torch.func.grad(lambda x: scale(x, 3.0).sum())(torch.ones(2))
+        BackwardContext(needs_input_grad=(True, False))
+        tensor([3., 3.])
     """
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:

@@ -26,7 +26,15 @@ REBUILD = "pip install --no-build-isolation --no-deps --force-reinstall -e ."
 
 
 class UntestedTorchWarning(UserWarning):
-    """torch_autobatch runs on a torch release outside its tested window."""
+    """torch_autobatch runs on a torch release outside its tested window.
+
+    Importing torch_autobatch on such a release raises an ``ImportError``
+    unless ``TORCH_AUTOBATCH_ALLOW_UNTESTED_TORCH=1`` is set; then it warns
+    this instead (a ``UserWarning``, so the usual filters apply)::
+
+        >>> issubclass(torch_autobatch.UntestedTorchWarning, UserWarning)
+        True
+    """
 
 
 def _release(version: str) -> str:

@@ -86,6 +86,18 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
     A subclass of torch.library's ``CustomOpDef`` (NOTE [CustomOpDef is torch's
     CustomOpDef]): everything torch.library accepts for one of its ops, it
     accepts for this one.
+
+    Example::
+
+        >>> @torch_autobatch.custom_op("doc_CustomOpDef::double", mutates_args=())
+        ... def double(x: torch.Tensor) -> torch.Tensor:
+        ...     return 2 * x
+        >>> double
+        <torch_autobatch.CustomOpDef(doc_CustomOpDef::double(Tensor x) -> Tensor)>
+        >>> isinstance(double, torch.library.CustomOpDef)
+        True
+        >>> double(torch.tensor([1.0, 2.0])), torch.ops.doc_CustomOpDef.double(torch.ones(1))
+        (tensor([2., 4.]), tensor([2.]))
     """
 
     def __init__(
@@ -170,7 +182,18 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
 
     @property
     def opoverload(self) -> torch._ops.OpOverload:
-        """``torch.ops.<namespace>.<name>.default``."""
+        """``torch.ops.<namespace>.<name>.default``.
+
+        Example::
+
+            >>> @torch_autobatch.custom_op("doc_opoverload::double", mutates_args=())
+            ... def double(x: torch.Tensor) -> torch.Tensor:
+            ...     return 2 * x
+            >>> double.opoverload is torch.ops.doc_opoverload.double.default
+            True
+            >>> double.opoverload(torch.ones(2))
+            tensor([2., 2.])
+        """
         return self._opoverload
 
     # ------------------------------------------------------------- registration
@@ -203,7 +226,22 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         ``.backward()``, ``torch.autograd.grad`` and every torch.func reverse
         transform (``grad``, ``vjp``, ``jacrev``, ``hessian``), at any nesting.
 
-        Returns ``backward``, so it can be used as a decorator.
+        Returns ``backward``, so it can be used as a decorator::
+
+            >>> @torch_autobatch.custom_op("doc_register_autograd::cube", mutates_args=())
+            ... def cube(x: torch.Tensor) -> torch.Tensor:
+            ...     return x**3
+            >>> def setup_context(ctx, inputs, output):
+            ...     ctx.save_for_backward(inputs[0])
+            >>> @cube.register_autograd(setup_context=setup_context)
+            ... def backward(ctx, grad):
+            ...     (x,) = ctx.saved_tensors
+            ...     return grad * 3 * x**2
+            >>> x = torch.tensor([1.0, 2.0])
+            >>> torch.func.grad(lambda x: cube(x).sum())(x)
+            tensor([ 3., 12.])
+            >>> torch.vmap(torch.func.grad(cube))(x)  # per-example gradients
+            tensor([ 3., 12.])
         """
         if backward is None:
             return lambda fn: self.register_autograd(fn, setup_context=setup_context)
@@ -230,7 +268,18 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         """Registers the fake (meta) implementation used by ``torch.compile`` and fake tensors.
 
         Optional: without it the op's own function runs on fake tensors.
-        Returns ``fn``, so it can be used as a decorator.
+        Register one when that function cannot (it leaves torch, say through
+        ``.tolist()``). Returns ``fn``, so it can be used as a decorator::
+
+            >>> import math
+            >>> @torch_autobatch.custom_op("doc_register_fake::py_sin", mutates_args=())
+            ... def py_sin(x: torch.Tensor) -> torch.Tensor:
+            ...     return torch.tensor([math.sin(v) for v in x.tolist()])
+            >>> @py_sin.register_fake
+            ... def _(x):
+            ...     return torch.empty_like(x)
+            >>> py_sin(torch.zeros(2)), py_sin(torch.empty(3, device="meta")).shape
+            (tensor([0., 0.]), torch.Size([3]))
         """
         if not callable(fn):
             raise TypeError(
@@ -262,7 +311,20 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
 
         Without a registered jvp, forward mode is derived from the op's own
         function (forward-mode AD of its torch ops): correct, never zeros.
-        Reverse mode always uses the registered backward. Returns ``jvp``.
+        Reverse mode always uses the registered backward. Returns ``jvp``, so
+        it can be used as a decorator::
+
+            >>> @torch_autobatch.custom_op("doc_register_jvp::square", mutates_args=())
+            ... def square(x: torch.Tensor) -> torch.Tensor:
+            ...     return x * x
+            >>> def setup_context(ctx, inputs, output):
+            ...     ctx.save_for_forward(inputs[0])
+            >>> @square.register_jvp(setup_context=setup_context)
+            ... def jvp(ctx, x_tangent):
+            ...     (x,) = ctx.saved_tensors
+            ...     return 2 * x * x_tangent
+            >>> torch.func.jvp(square, (torch.tensor([1.0, 2.0]),), (torch.ones(2),))
+            (tensor([1., 4.]), tensor([2., 4.]))
         """
         if jvp is None:
             return lambda fn: self.register_jvp(fn, setup_context=setup_context)
@@ -293,7 +355,18 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         torch's own helper for such rules. You rarely need this: by default
         vmap runs the op's own function once on batched tensors. The
         registered backward still governs gradients. Returns ``rule``, so it
-        can be used as a decorator.
+        can be used as a decorator::
+
+            >>> @torch_autobatch.custom_op("doc_register_vmap::scale", mutates_args=())
+            ... def scale(x: torch.Tensor, s: float) -> torch.Tensor:
+            ...     return x * s
+            >>> @scale.register_vmap
+            ... def rule(info, in_dims, x, s):
+            ...     print("batch size", info.batch_size, "in_dims", in_dims)
+            ...     return x * s, in_dims[0]
+            >>> torch.vmap(scale, in_dims=(0, None))(torch.ones(4, 2), 3.0).shape
+            batch size 4 in_dims (0, None)
+            torch.Size([4, 2])
         """
         if rule is None:
             return lambda fn: self.register_vmap(fn)
@@ -525,7 +598,7 @@ def custom_op(
     A drop-in for :func:`torch.library.custom_op` whose operator works under
     every torch.func transform with the derivatives you register::
 
-        >>> @torch_autobatch.custom_op("mylib::softclip", mutates_args=())
+        >>> @torch_autobatch.custom_op("doc_custom_op::softclip", mutates_args=())
         ... def softclip(x: torch.Tensor, scale: float) -> torch.Tensor:
         ...     return scale * torch.tanh(x / scale)
         >>> def setup_context(ctx, inputs, output):
@@ -534,8 +607,11 @@ def custom_op(
         >>> def backward(ctx, grad):
         ...     (x,) = ctx.saved_tensors
         ...     return grad * (1 - torch.tanh(x / ctx.scale) ** 2), None
-        >>> softclip.register_autograd(backward, setup_context=setup_context)
-        >>> torch.func.grad(lambda x: softclip(x, 2.0).sum())(torch.randn(3))
+        >>> _ = softclip.register_autograd(backward, setup_context=setup_context)
+        >>> torch.func.grad(lambda x: softclip(x, 2.0).sum())(torch.zeros(3))
+        tensor([1., 1., 1.])
+        >>> torch.vmap(softclip, in_dims=(0, None))(torch.randn(1000, 64), 2.0).shape
+        torch.Size([1000, 64])
 
     Args:
         name: ``"namespace::name"``; the op is then ``torch.ops.namespace.name``.

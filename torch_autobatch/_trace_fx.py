@@ -30,7 +30,17 @@ class TraceGraphs:
     uses (the results, e.g. the loss), and ``"%w.grad"``: the gradient that
     backward call accumulated into the leaf ``%w``. The ops are the recorded
     aten ops, replayed eagerly (views and in-place ops included); random ops
-    draw new numbers.
+    draw new numbers::
+
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> with torch_autobatch.trace(names={"w": w}) as t:
+        ...     loss = (w * w).sum()
+        >>> loss.backward()
+        >>> graphs = t.to_fx()
+        >>> graphs, graphs.forward.input_names, graphs.backward[0].input_names
+        (<torch_autobatch.TraceGraphs: 2 modules>, ('%w',), ('%arg0', '%w'))
+        >>> graphs.run()["%w.grad"]
+        tensor([2., 2., 2.])
     """
 
     def __init__(self, modules: list[torch.fx.GraphModule], defaults: dict[str, Any]) -> None:
@@ -39,12 +49,36 @@ class TraceGraphs:
 
     @property
     def forward(self) -> torch.fx.GraphModule:
-        """The first module: the forward ops (an empty module if the trace has none)."""
+        """The first module: the forward ops (an empty module if the trace has none).
+
+        Example::
+
+            >>> x = torch.tensor([1.0, 2.0])
+            >>> with torch_autobatch.trace(names={"x": x}) as t:
+            ...     y = x * 3
+            >>> fwd = t.to_fx().forward
+            >>> fwd.input_names, fwd(torch.ones(2))
+            (('%x',), {'%0': tensor([3., 3.])})
+        """
         return self.modules[0]
 
     @property
     def backward(self) -> list[torch.fx.GraphModule]:
-        """The modules of the backward calls, in the order they ran."""
+        """The modules of the backward calls, in the order they ran.
+
+        Example::
+
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> with torch_autobatch.trace(names={"w": w}) as t:
+            ...     loss = (w * 3).sum()
+            >>> loss.backward(retain_graph=True)
+            >>> loss.backward()
+            >>> backward = t.to_fx().backward
+            >>> len(backward), backward[0].input_names
+            (2, ('%arg0',))
+            >>> backward[0](torch.tensor(1.0))["%w.grad"]
+            tensor([3., 3.])
+        """
         return [m for m in self.modules if m.pass_no > 0]  # type: ignore[operator]
 
     def __repr__(self) -> str:
@@ -67,6 +101,19 @@ class TraceGraphs:
             value name -> tensor, for every value a module returns (see the
             class doc). The gradients of a leaf from several backward calls are
             summed into ``"%w.grad"``, as ``.grad`` accumulates them.
+
+        Example::
+
+            >>> x, w = torch.ones(3), torch.ones(3, requires_grad=True)
+            >>> with torch_autobatch.trace(names={"x": x, "w": w}) as t:
+            ...     loss = (x * w).sum()
+            >>> loss.backward()
+            >>> graphs = t.to_fx()
+            >>> graphs.run()[t.name_of(loss)]  # the inputs the trace holds
+            tensor(3.)
+            >>> out = graphs.run({"x": torch.tensor([1.0, 2.0, 3.0])})
+            >>> out[t.name_of(loss)], out["%w.grad"]
+            (tensor(6.), tensor([1., 2., 3.]))
         """
         env: dict[str, Any] = {k: r() for k, r in self._defaults.items()}
         for k, t in (inputs or {}).items():

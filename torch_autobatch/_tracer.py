@@ -195,6 +195,11 @@ class Trace:
     then each backward call (``backward 1``, ``backward 2``, ...) with its ops
     grouped by the autograd node that ran them, in the order they ran::
 
+        >>> x, w = torch.ones(2, 3), torch.ones(3, 4, requires_grad=True)
+        >>> with torch_autobatch.trace(names={"x": x, "w": w}) as t:
+        ...     loss = (x @ w).sum()
+        >>> loss.backward()
+        >>> print(t)
         inputs:
           %x: f32[2, 3]
           %w: f32[3, 4] requires_grad
@@ -297,7 +302,14 @@ class Trace:
     def name_of(self, tensor: _Tensor) -> str:
         """The name (``"%3"``, ``"%arg0"``, ``"%x"``) under which the trace knows ``tensor`` now.
 
-        Raises ``KeyError`` if no recorded op made or used it.
+        Raises ``KeyError`` if no recorded op made or used it::
+
+            >>> x = torch.ones(3)
+            >>> with torch_autobatch.trace(names={"x": x}) as t:
+            ...     y = x.exp()
+            ...     _ = y.add_(1)  # in place: y is now a new value
+            >>> t.name_of(x), t.name_of(y)
+            ('%x', '%1')
         """
         if not isinstance(tensor, _Tensor):
             raise TypeError(
@@ -314,7 +326,16 @@ class Trace:
 
     @property
     def inputs(self) -> dict[str, Optional[_Tensor]]:
-        """Input name -> tensor (None if held weakly and since freed), in order of first use."""
+        """Input name -> tensor (None if held weakly and since freed), in order of first use.
+
+        Example::
+
+            >>> x, y = torch.ones(2), torch.zeros(2)
+            >>> with torch_autobatch.trace(names={"x": x}) as t:
+            ...     z = y * x  # y is not named: %arg0
+            >>> list(t.inputs), t.inputs["%x"] is x, t.inputs["%arg0"] is y
+            (['%x', '%arg0'], True, True)
+        """
         self._snapshot()
         return {str(v): v() for v in self._inputs}
 
@@ -352,7 +373,20 @@ class Trace:
         return "\n".join(lines)
 
     def to_fx(self) -> TraceGraphs:
-        """:class:`torch.fx.GraphModule` s that replay the recording: see :class:`TraceGraphs`."""
+        """:class:`torch.fx.GraphModule` s that replay the recording: see :class:`TraceGraphs`.
+
+        Refuses (``RuntimeError``) a trace that recorded ops inside a
+        ``torch.func`` transform. Example::
+
+            >>> x = torch.tensor([1.0, 2.0])
+            >>> with torch_autobatch.trace(names={"x": x}) as t:
+            ...     y = torch.sin(x) * 2
+            >>> graphs = t.to_fx()
+            >>> graphs
+            <torch_autobatch.TraceGraphs: 1 modules>
+            >>> torch.equal(graphs.forward(x)[t.name_of(y)], y)
+            True
+        """
         from ._trace_fx import build_graphs
 
         if self._impl.saw_transform:
@@ -504,12 +538,24 @@ def trace(names: Union[Mapping[str, _Tensor], torch.nn.Module, None] = None) -> 
 
     Example::
 
-        >>> with torch_autobatch.trace(names={"x": x, **dict(model.named_parameters())}) as t:
-        ...     loss = model(x).sum()
+        >>> x, w = torch.ones(2, 3), torch.ones(3, requires_grad=True)
+        >>> with torch_autobatch.trace(names={"x": x, "w": w}) as t:
+        ...     loss = (x * w).sum()
         >>> loss.backward()          # after the block: still recorded into t
         >>> print(t)                 # forward ops, then backward ops grouped by node
-        >>> graphs = t.to_fx()       # GraphModules that replay it
-        >>> graphs.run()[t.name_of(loss)]
+        inputs:
+          %x: f32[2, 3]
+          %w: f32[3] requires_grad
+          %arg0: f32[]
+        forward:
+          %0 = aten.mul.Tensor(%x, %w)  # f32[2, 3], node 0
+        ...
+        >>> out = t.to_fx().run()    # replays forward and backward
+        >>> torch.equal(out[t.name_of(loss)], loss), torch.equal(out["%w.grad"], w.grad)
+        (True, True)
+
+    With a module, ``trace(names=model)`` names its parameters and buffers
+    (``%weight``, ``%0.bias``, ...).
 
     Which trace records an op (the C++ side: NOTE [Which trace records an op]):
 
@@ -553,7 +599,13 @@ def current_trace() -> Optional[Trace]:
     """The trace that would record an op run on this thread now, or None.
 
     That is the innermost active :func:`trace` block, or, inside the backward
-    of a node created while tracing, that node's trace.
+    of a node created while tracing, that node's trace::
+
+        >>> print(torch_autobatch.current_trace())
+        None
+        >>> with torch_autobatch.trace() as t:
+        ...     print(torch_autobatch.current_trace() is t)
+        True
     """
     impl = _C._current_trace()
     return None if impl is None else Trace._of(impl)

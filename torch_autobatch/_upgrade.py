@@ -72,17 +72,17 @@ def autobatch(op: Operator, /, *, vmap: str = "auto") -> CustomOpDef:
     rules registered on it (``register_autograd``, ``register_vmap``,
     ``register_fake``), before or after this call::
 
-        >>> @torch.library.custom_op("thirdparty::softclip", mutates_args=())
+        >>> @torch.library.custom_op("doc_autobatch::softclip", mutates_args=())
         ... def softclip(x: torch.Tensor) -> torch.Tensor:
         ...     return torch.tanh(x)
         >>> softclip.register_autograd(
         ...     lambda ctx, g: g * (1 - torch.tanh(ctx.x) ** 2),
         ...     setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
-        >>> op = torch_autobatch.autobatch(softclip)  # or torch.ops.thirdparty.softclip
-        >>> op is softclip
-        True
-        >>> torch.func.grad(lambda x: softclip(x).sum())(torch.randn(3)).shape
-        torch.Size([3])
+        >>> op = torch_autobatch.autobatch(softclip)  # or torch.ops.doc_autobatch.softclip
+        >>> op is softclip, isinstance(op, torch_autobatch.CustomOpDef)
+        (True, True)
+        >>> torch.func.grad(lambda x: softclip(x).sum())(torch.zeros(3))
+        tensor([1., 1., 1.])
 
     Args:
         op: the operator: its ``CustomOpDef``, ``torch.ops.ns.name`` (or its

@@ -1,0 +1,93 @@
+"""The ``>>>`` examples in the public API's docstrings run and print what they show.
+
+Each public object (``torch_autobatch.__all__`` and the methods users call) is
+one test: its own docstring's examples, run by :mod:`doctest` with ``torch``
+and ``torch_autobatch`` as globals. Examples define ops in a namespace of their
+own (``doc_<object>::...``), so they all run in one process.
+"""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+import torch_autobatch
+from torch_autobatch import CustomOpDef, Trace, TraceGraphs
+
+# (id, object): everything in __all__, then the methods and properties users call.
+PUBLIC: list[tuple[str, Any]] = [
+    (name, getattr(torch_autobatch, name)) for name in torch_autobatch.__all__
+] + [
+    ("CustomOpDef.register_autograd", CustomOpDef.register_autograd),
+    ("CustomOpDef.register_jvp", CustomOpDef.register_jvp),
+    ("CustomOpDef.register_vmap", CustomOpDef.register_vmap),
+    ("CustomOpDef.register_fake", CustomOpDef.register_fake),
+    ("CustomOpDef.opoverload", CustomOpDef.opoverload),
+    ("Trace.name_of", Trace.name_of),
+    ("Trace.inputs", Trace.inputs),
+    ("Trace.to_fx", Trace.to_fx),
+    ("TraceGraphs.run", TraceGraphs.run),
+    ("TraceGraphs.forward", TraceGraphs.forward),
+    ("TraceGraphs.backward", TraceGraphs.backward),
+]
+
+# Entry points whose docstrings must show how they are used.
+MUST_HAVE_EXAMPLES = [
+    "custom_op",
+    "autobatch",
+    "trace",
+    "CustomOpDef.register_autograd",
+    "CustomOpDef.register_jvp",
+    "CustomOpDef.register_vmap",
+]
+
+OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def _examples(name: str, obj: Any) -> list[doctest.DocTest]:
+    """The doctests of ``obj``'s own docstring (not of its members)."""
+    if isinstance(obj, property):
+        obj = obj.fget  # the same docstring, and doctest finds its line number
+    finder = doctest.DocTestFinder(recurse=False)
+    globs = {"torch": torch, "torch_autobatch": torch_autobatch}
+    tests = finder.find(obj, name, module=inspect.getmodule(obj), globs=globs)
+    return [t for t in tests if t.examples]
+
+
+def test_public_list_covers_all() -> None:
+    assert sorted(torch_autobatch.__all__) == sorted(
+        name for name, _ in PUBLIC if "." not in name
+    )
+
+
+@pytest.mark.parametrize("name", torch_autobatch.__all__)
+def test_public_name_has_docstring(name: str) -> None:
+    doc = inspect.getdoc(getattr(torch_autobatch, name))
+    assert doc and doc.strip(), f"torch_autobatch.{name} has no docstring"
+
+
+@pytest.mark.parametrize("name", MUST_HAVE_EXAMPLES)
+def test_entry_point_has_example(name: str) -> None:
+    obj = dict(PUBLIC)[name]
+    assert _examples(name, obj), f"{name}'s docstring has no >>> example"
+
+
+@pytest.mark.parametrize("name,obj", PUBLIC, ids=[name for name, _ in PUBLIC])
+def test_docstring_examples(name: str, obj: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    tests = _examples(name, obj)
+    if not tests:
+        pytest.skip(f"{name}'s docstring has no >>> example")
+    report: list[str] = []
+    runner = doctest.DocTestRunner(optionflags=OPTIONFLAGS)
+    for t in tests:
+        runner.run(t, out=report.append)
+    results = runner.summarize(verbose=False)
+    capsys.readouterr()  # summarize() prints; keep the pytest output clean
+    assert results.failed == 0, (
+        f"{results.failed} of {results.attempted} examples in {name}'s docstring failed:\n"
+        + "".join(report)
+    )
