@@ -36,17 +36,15 @@ def softclip(x: torch.Tensor, scale: float) -> torch.Tensor:
     return scale * torch.tanh(x / scale)
 
 
-def setup_context(ctx, inputs, output):
+def _save_output(ctx, inputs, output):
     ctx.save_for_backward(output)
     ctx.scale = inputs[1]
 
 
-def backward(ctx, grad_out):
-    (y,) = ctx.saved_tensors
+@softclip.register_autograd(setup_context=_save_output)
+def _softclip_backward(ctx, grad_out):
+    (y,) = ctx.saved_tensors  # d/dx scale * tanh(x / scale) = 1 - tanh^2
     return grad_out * (1 - (y / ctx.scale) ** 2), None
-
-
-softclip.register_autograd(backward, setup_context=setup_context)
 
 
 class Model(torch.nn.Module):
