@@ -58,6 +58,22 @@ class PyRef {
   PyObject* obj_ = nullptr;
 };
 
+// NOTE [Interned attribute names]
+// Attribute names our kernels look up on every call, interned once (under the
+// GIL, on first use) and never freed, like CPython's own identifiers: a
+// lookup then builds no str object. The attributes themselves always exist
+// (BackwardContext's class defaults, _autograd.py): a failed lookup would
+// build and drop an AttributeError per call.
+struct PyNames {
+  PyObject* setup_autograd;
+  PyObject* run_backward;
+  PyObject* to_save;
+  PyObject* non_differentiable;
+  PyObject* materialize_grads;
+};
+// Requires the GIL.
+const PyNames& py_names();
+
 // How the batched kernel computes an op's outputs under vmap.
 enum class VmapMode : int {
   Composite = 0, // the op's own function, once, on batched tensors (default)

@@ -40,6 +40,17 @@ void PyRef::reset() {
   obj_ = nullptr;
 }
 
+const PyNames& py_names() {
+  static const PyNames names{
+      PyUnicode_InternFromString("_setup_autograd"),
+      PyUnicode_InternFromString("_run_backward"),
+      PyUnicode_InternFromString("to_save"),
+      PyUnicode_InternFromString("non_differentiable"),
+      PyUnicode_InternFromString("materialize_grads"),
+  };
+  return names;
+}
+
 void rethrow_python_error(py::error_already_set& e) {
   // Hand the exception over as torch's python_error: torch's bindings and the
   // autograd engine re-raise it in Python unchanged (type, message, traceback)
@@ -139,7 +150,7 @@ void CustomOpNode::save(
       torch::autograd::impl::set_gradient_edge(outputs[k], torch::autograd::Edge());
     }
   }
-  materialize_grads_ = py::getattr(ctx, "materialize_grads", py::bool_(true)).cast<bool>();
+  materialize_grads_ = ctx.attr(py_names().materialize_grads).cast<bool>();
   saved_.reserve(saved.size());
   for (const auto& t : saved) {
     if (!t.defined()) {
@@ -222,7 +233,7 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
       for (size_t i = 0; i < saved.size(); ++i) {
         py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
       }
-      py::object result = state_->opdef.get().attr("_run_backward")(
+      py::object result = state_->opdef.get().attr(py_names().run_backward)(
           ctx_.get(), py_saved, wrap_grads(grads));
       out = unwrap_input_grads(result);
     } catch (py::error_already_set& e) {
@@ -431,18 +442,19 @@ py::object call_setup_context(
       }
       py_output = outs;
     }
-    py::object ctx = state.opdef.get().attr("_setup_autograd")(py_args, py_output, needs);
+    const PyNames& names = py_names();
+    py::object ctx = state.opdef.get().attr(names.setup_autograd)(py_args, py_output, needs);
     // NOTE [ctx is torch's FunctionCtx] (_autograd.py): what its methods recorded.
-    py::object to_save = py::getattr(ctx, "to_save", py::none());
+    py::object to_save = ctx.attr(names.to_save);
     if (!to_save.is_none()) {
       for (py::handle item : to_save) {
         saved.push_back(
             item.is_none() ? at::Tensor() : THPVariable_Unpack(item.ptr()));
       }
-      ctx.attr("to_save") = py::none();
+      ctx.attr(names.to_save) = py::none();
     }
     non_differentiable.assign(outputs.size(), false);
-    py::object marked = py::getattr(ctx, "non_differentiable", py::none());
+    py::object marked = ctx.attr(names.non_differentiable);
     if (!marked.is_none()) {
       for (py::handle item : marked) {
         const auto* impl = THPVariable_Check(item.ptr())

@@ -46,10 +46,20 @@ class BackwardContext(FunctionCtx):
         tensor([3., 3.])
     """
 
+    # What FunctionCtx's methods record, at the values meaning "not called":
+    # the C++ node reads them after setup_context, and a class default makes
+    # that a plain lookup rather than a failed one (an AttributeError built
+    # and dropped per call, NOTE [Interned attribute names] in csrc/autobatch.h).
+    to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
+    saved_for_forward: Optional[tuple[Optional[torch.Tensor], ...]] = None
+    non_differentiable: Optional[tuple[torch.Tensor, ...]] = None
+    dirty_tensors: Optional[tuple[torch.Tensor, ...]] = None
+    materialize_grads: bool = True
+    _saved_tensors: Optional[tuple[Optional[torch.Tensor], ...]] = None
+
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         #: One bool per operator input: does it need a gradient?
         self.needs_input_grad = needs_input_grad
-        self._saved_tensors: Optional[tuple[Optional[torch.Tensor], ...]] = None
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
         """Saves tensors (or None) for backward, where ``ctx.saved_tensors`` returns them."""
@@ -92,9 +102,9 @@ def run_jvp(
     jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...]
 ) -> Any:
     """Calls the user's jvp with what setup_context saved for it."""
-    saved = getattr(ctx, "saved_for_forward", None)
+    saved = ctx.saved_for_forward
     if saved is None:
-        saved = getattr(ctx, "to_save", None)
+        saved = ctx.to_save
     ctx._saved_tensors = saved if saved is not None else ()
     try:
         return jvp_fn(ctx, *tangents)

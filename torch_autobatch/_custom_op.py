@@ -412,7 +412,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             setup(ctx, positional, kwargs, output)
         else:
             setup(ctx, inputs, output)
-        if getattr(ctx, "dirty_tensors", None):
+        if ctx.dirty_tensors:
             raise RuntimeError(
                 f"torch_autobatch: the setup_context of {self._qualname} "
                 f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
