@@ -61,6 +61,10 @@ REPO = HERE.parent
 # variant gets one blocked_autorange (rotating which variant goes first), and
 # the cell is the median over rounds of those medians. A drift then hits every
 # variant of the row alike, and one disturbed round does not move the median.
+# The ratio column is the median over rounds of each round's ratio (the two
+# variants timed next to each other), not a ratio of two medians taken from
+# different rounds: on this machine the plain function's own time moves by
+# up to 1.5x between runs, and only the per-round ratio cancels that.
 
 CAP_S = 2.0  # a call slower than this is not timed: "skipped (>2 s/call)"
 
@@ -431,11 +435,20 @@ def _render_cell(cell: Optional[Cell], notes: list[str]) -> str:
     return f"FAIL ({notes.index(cell['fail']) + 1})"
 
 
-def _ratio(cells: dict[str, Cell]) -> str:
+def ratio_to_plain(cells: dict[str, Cell]) -> Optional[float]:
+    """torch_autobatch / plain: the median of the per-round ratios (NOTE [Interleaved medians])."""
     t, d = cells.get("t", {}), cells.get("d", {})
-    if "s" in t and "s" in d and d["s"] > 0:
-        return f"{t['s'] / d['s']:.2f}x"
-    return "n/a"
+    if "s" not in t or "s" not in d or d["s"] <= 0:
+        return None
+    pairs = list(zip(t.get("rounds", []), d.get("rounds", [])))
+    if not pairs or len(t["rounds"]) != len(d["rounds"]):
+        return t["s"] / d["s"]
+    return statistics.median(a / b for a, b in pairs)
+
+
+def _ratio(cells: dict[str, Cell]) -> str:
+    r = ratio_to_plain(cells)
+    return "n/a" if r is None else f"{r:.2f}x"
 
 
 def _calls_note(group: Group, rows: list[Row]) -> Optional[str]:
