@@ -41,7 +41,8 @@ def _run_group(group: str, pythonpath: Optional[Path], quick: bool, out: Path) -
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + env.get("PYTHONPATH", "").split(os.pathsep))
     cmd = [sys.executable, str(HERE / "run.py"), "--worker", group, "--result", str(out)]
-    subprocess.run(cmd + (["--quick"] if quick else []), env=env, check=True)
+    # cwd: not this checkout, whose torch_autobatch/ would shadow PYTHONPATH's.
+    subprocess.run(cmd + (["--quick"] if quick else []), env=env, cwd=out.parent, check=True)
     return json.loads(out.read_text())
 
 
@@ -49,7 +50,7 @@ def _label(pythonpath: Optional[Path]) -> str:
     code = "import torch_autobatch, os; print(os.path.dirname(torch_autobatch.__file__))"
     env = dict(os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {}))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+                          cwd=tempfile.gettempdir(), check=True).stdout.strip()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
