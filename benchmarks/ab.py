@@ -11,8 +11,8 @@ Every run is a worker process of *this* ``run.py`` (the same harness, op and
 anchors for both builds); the only difference is which ``torch_autobatch`` it
 imports (``PYTHONPATH=<before>`` or this checkout). Each repeat runs every group
 once per build, alternating which build goes first, so a slow minute of the
-machine hits both. A row's figure is torch_autobatch / plain (the median of the
-per-round ratios, NOTE [Interleaved medians] in run.py), then the median over
+machine hits both. A row's figure is torch_autobatch / plain (each at its
+fastest round, NOTE [Interleaved medians] in run.py), then the median over
 repeats; the plain function is measured in every run, so the two builds are
 compared by their ratio to it, never by absolute times from different minutes.
 """

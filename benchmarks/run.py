@@ -21,7 +21,7 @@ reuses ``bench_tracer.py``'s MLPs.
 
 Timing (NOTE [Interleaved medians]): each cell is checked against the plain
 function once, then timed with ``torch.utils.benchmark.Timer.blocked_autorange``;
-the variants of one row take turns over several rounds, and a cell is the median
+the variants of one row take turns over several rounds, and a cell is the fastest
 of its rounds' medians. A variant that raises gets a ``FAIL (n)`` cell (note n
 under the table quotes the error), one that returns a wrong result ``FAIL
 (wrong result)``, and one whose call takes longer than 2 s ``skipped (>2 s/call)``.
@@ -58,13 +58,14 @@ REPO = HERE.parent
 # The machine is shared and its speed drifts over seconds (other jobs, turbo).
 # Timing variant A for 5 s and then variant B for 5 s would put that drift into
 # the ratio. So every row's variants are timed in turns: in round r each
-# variant gets one blocked_autorange (rotating which variant goes first), and
-# the cell is the median over rounds of those medians. A drift then hits every
-# variant of the row alike, and one disturbed round does not move the median.
-# The ratio column is the median over rounds of each round's ratio (the two
-# variants timed next to each other), not a ratio of two medians taken from
-# different rounds: on this machine the plain function's own time moves by
-# up to 1.5x between runs, and only the per-round ratio cancels that.
+# variant gets one blocked_autorange (rotating which variant goes first).
+# A cell is the fastest of its rounds' medians: on this machine the noise is a
+# slowdown of the whole process, often 2x for seconds at a time (a round of the
+# plain function at 7.8 us, the next at 15.5), never a speed-up, so the fastest
+# round is the one least disturbed, and a ratio of two cells compares the two
+# variants each at their least disturbed. (A median over rounds mixed the two
+# speeds: 7.9 plain against 29.8 ours, where their fastest rounds were 7.8 and
+# 16.1.)
 
 CAP_S = 2.0  # a call slower than this is not timed: "skipped (>2 s/call)"
 
@@ -84,7 +85,7 @@ class Config:
 
 
 # ------------------------------------------------------------------- cells
-# A cell is JSON: {"s": median seconds, "rounds": [...]} | {"fail": message}
+# A cell is JSON: {"s": seconds (fastest round), "rounds": [each round's median]} | {"fail": message}
 # | {"wrong": message} | {"skipped": reason}.
 Cell = dict[str, Any]
 
@@ -164,7 +165,7 @@ def measure_row(
                 cells[v] = _fail_cell(exc)
     for v in order:
         if v not in cells:
-            cells[v] = {"s": statistics.median(rounds[v]), "rounds": rounds[v]}
+            cells[v] = {"s": min(rounds[v]), "rounds": rounds[v]}
     return {v: cells[v] for v in makers}, calls
 
 
@@ -436,14 +437,11 @@ def _render_cell(cell: Optional[Cell], notes: list[str]) -> str:
 
 
 def ratio_to_plain(cells: dict[str, Cell]) -> Optional[float]:
-    """torch_autobatch / plain: the median of the per-round ratios (NOTE [Interleaved medians])."""
+    """torch_autobatch / plain, each at its fastest round (NOTE [Interleaved medians])."""
     t, d = cells.get("t", {}), cells.get("d", {})
     if "s" not in t or "s" not in d or d["s"] <= 0:
         return None
-    pairs = list(zip(t.get("rounds", []), d.get("rounds", [])))
-    if not pairs or len(t["rounds"]) != len(d["rounds"]):
-        return t["s"] / d["s"]
-    return statistics.median(a / b for a, b in pairs)
+    return t["s"] / d["s"]
 
 
 def _ratio(cells: dict[str, Cell]) -> str:
@@ -482,8 +480,9 @@ def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         f"measured with {cfg['threads']} (`torch.set_num_threads`, `Timer(num_threads=...)`)",
         f"- timing: `torch.utils.benchmark.Timer.blocked_autorange(min_run_time={cfg['min_run_time']})`"
         f" per variant per round; the variants of a row take turns over {cfg['rounds']} rounds; a cell "
-        "is the median of its rounds' medians, in µs per call (tracer rows: 2x / 5x the time per "
-        "round). Each group ran in a subprocess of its own.",
+        "is the fastest of its rounds' medians (the machine's noise only slows a round down), in "
+        "µs per call (tracer rows: 2x / 5x the time per round). Each group ran in a subprocess of "
+        "its own.",
         "- cells: FAIL (n) = raised (note n under the table); FAIL (wrong result) = returned a result "
         f"that differs from the plain function's; skipped = one call took over {CAP_S:g} s.",
         "- op: `f(x, y) = sin(x) * y + x.sum(-1, keepdim=True)`, (64,) float32 per example, with a "
