@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
