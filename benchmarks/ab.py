@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402  (benchmarks/run.py)
@@ -39,7 +38,7 @@ import run  # noqa: E402  (benchmarks/run.py)
 def _run_group(group: str, pythonpath: Optional[Path], quick: bool, out: Path) -> dict[str, Any]:
     env = dict(os.environ)
     if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + env.get("PYTHONPATH", "").split(os.pathsep))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, str(HERE / "run.py"), "--worker", group, "--result", str(out)]
     # cwd: not this checkout, whose torch_autobatch/ would shadow PYTHONPATH's.
     subprocess.run(cmd + (["--quick"] if quick else []), env=env, cwd=out.parent, check=True)
