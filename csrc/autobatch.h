@@ -94,6 +94,9 @@ struct OpState {
   // Its function needs an AD level to decompose some CompositeImplicit op:
   // NOTE [Decompositions under an AD level] (batched.cpp).
   std::atomic<bool> decompose_under_ad{false};
+  // The schema declares no aliasing and no mutation: run_backend may call the
+  // op's function itself (NOTE [Calling the composite directly]).
+  bool functional_schema = false;
 };
 
 // The functorch Grad or Jvp level whose Autograd kernel is sending the op
@@ -153,6 +156,11 @@ py::object call_setup_context(
     std::vector<at::Tensor>& saved,
     std::vector<bool>& non_differentiable);
 
+// Does an output share memory with an input or another output?
+bool any_aliasing(
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs);
+
 // Raises if an output shares memory with an input (the schema declares no
 // aliasing).
 void check_no_aliasing(
@@ -160,6 +168,19 @@ void check_no_aliasing(
     const c10::FunctionSchema& schema,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs);
+
+// Runs the op's own function on `stack` with the dispatch keys `ks` (those
+// below the calling kernel): calls it directly when that is the kernel the
+// dispatcher would pick, else redispatches (NOTE [Calling the composite
+// directly], composite.cpp).
+void run_backend(
+    const OpState& state,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet ks,
+    torch::jit::Stack* stack);
+bool has_functional_schema(const c10::FunctionSchema& schema);
+// Looks up what run_backend needs from torch; called once, at import.
+void init_composite_call();
 
 // Our boxed kernels for one op: autograd.cpp (the Autograd key) and
 // batched.cpp (the FuncTorchBatched key).

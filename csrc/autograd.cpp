@@ -105,6 +105,24 @@ bool aliases(const at::Tensor& a, const at::Tensor& b) {
 
 } // namespace
 
+bool any_aliasing(
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs) {
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    for (size_t p = 0; p < o; ++p) {
+      if (aliases(outputs[o], outputs[p])) {
+        return true;
+      }
+    }
+    for (const auto& in : inputs) {
+      if (aliases(outputs[o], in)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 CustomOpNode::CustomOpNode(
     std::shared_ptr<OpState> state,
     std::vector<Slot> arg_slots,
@@ -640,9 +658,11 @@ class AutogradKernel final : public c10::OperatorKernel {
           (layer->key() == functorch::TransformType::Grad ||
            layer->key() == functorch::TransformType::Jvp);
       SentDownFromAD sent_down(ad_level ? layer->layerId() : 0);
-      op.redispatchBoxed(
-          ks & (mutates ? c10::after_autograd_keyset : c10::after_ADInplaceOrView_keyset),
-          stack);
+      if (mutates) {
+        op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+      } else {
+        run_backend(*state_, op, ks & c10::after_ADInplaceOrView_keyset, stack);
+      }
     }
 
     const auto returns = torch::jit::last(*stack, num_returns);

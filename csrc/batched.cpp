@@ -213,7 +213,7 @@ class BatchedKernel final : public c10::OperatorKernel {
       // NOTE [User Python sees a plain caller's state].
       functorch::AsPlainCaller plain;
       if (!decompose) {
-        op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
+        run_backend(*state_, op, physical.key_set() & kBackendKeys, stack);
         return;
       }
       functorch::GradLevelGuard grad_level(/*prev_grad_mode=*/false);

@@ -32,6 +32,7 @@ std::unique_ptr<Registration> register_op(
     state->arg_names.push_back(arg.name());
   }
   state->opdef = PyRef(std::move(opdef));
+  state->functional_schema = has_functional_schema(op.schema());
 
   // NOTE [Upgrading an existing op] (torch_autobatch/_upgrade.py): an op
   // that torch.library.custom_op made has Python kernels at these keys; ours
@@ -63,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
   namespace tab = torch_autobatch;
   namespace py = pybind11;
   m.doc() = "C++ kernels of torch_autobatch (internal; use torch_autobatch.custom_op)";
+  tab::init_composite_call();
   py::class_<tab::Registration>(m, "_Registration")
       .def_property_readonly(
           "qualname", [](const tab::Registration& r) { return r.state->qualname; })

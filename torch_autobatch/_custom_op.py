@@ -396,6 +396,12 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         )
         return (out,) if self._num_returns == 1 else tuple(out)
 
+    def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""
+        check = getattr(_library_utils, "_c_check_aliasing_constraint", None)
+        if check is not None:
+            check(self._name, args, kwargs, result, lambda: inspect.getmodule(self._init_fn))
+
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
         return (self._abstract_fn or self._init_fn)(*args, **kwargs)
 

@@ -1,0 +1,278 @@
+// How both kernels run the op's own function below them: run_backend.
+//
+// NOTE [Calling the composite directly]
+// Our Autograd and FuncTorchBatched kernels run the op's own function by
+// redispatching below themselves. For an op that torch.library's CustomOpDef
+// registered (ours, or one upgraded in place), the kernel the dispatcher then
+// finds at a dense backend key with no kernel of its own is the one
+// register_kernel put at CompositeExplicitAutograd: torch's PythonKernelHolder
+// calling `backend_impl`, which calls `_backend_fns[None]` (torch._disable_dynamo
+// around the set_kernel_enabled check around the function) and then checks the
+// outputs alias no input. Under vmap that chain cost ~10 us of the ~28 us an
+// op call added over the plain function (benchmarks/bench_call_path.py).
+// When the dispatcher would pick exactly that kernel, run_backend calls
+// `_backend_fns[None]` itself:
+// - the keys left are those the dispatcher sees (`ks`): the highest must be a
+//   dense backend (nothing in between: Python, Functionalize, Conjugate, ...
+//   go the dispatcher's way) with no kernel registered at that key itself
+//   (register_kernel("cpu"), torch.library.impl(..., "CPU"), a fake at Meta);
+// - the schema declares no aliasing or mutation (backend_impl's return
+//   checks for in-place and out= ops stay torch's);
+// - backend_impl's aliasing check is done in C++; only when an output does
+//   alias is torch's check called, for torch's error;
+// - torch._disable_dynamo is skipped only when it would do nothing: no Dynamo
+//   frame callback is set on this thread and torch.export is not running.
+//   Otherwise the wrapper is called as torch calls it.
+// The one registration the dispatcher does not let us see is a Python
+// kernel that overrides CompositeExplicitAutograd by hand
+// (Library.impl(..., allow_override=True), which torch warns about); such an
+// op is not a CustomOpDef any more in torch's own sense either (its
+// _backend_fns no longer run).
+#include "autobatch.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+namespace torch_autobatch {
+namespace {
+
+// Looked up once, when torch_autobatch._C is imported (init_composite_call):
+// a function-local static initialised with Python calls could deadlock with
+// the GIL.
+PyObject* g_get_eval_frame_callback = nullptr; // torch._C._dynamo.eval_frame
+PyObject* g_torch_compiler = nullptr; // torch.compiler (_is_exporting_flag)
+PyObject* g_backend_fns = nullptr; // "_backend_fns"
+PyObject* g_wrapped = nullptr; // "__wrapped__"
+PyObject* g_name = nullptr; // "__name__"
+PyObject* g_wrapped_fn = nullptr; // "wrapped_fn"
+PyObject* g_is_exporting_flag = nullptr; // "_is_exporting_flag"
+
+// Would torch._disable_dynamo change anything around a call made now?
+bool dynamo_wrapper_needed() {
+  if (g_get_eval_frame_callback == nullptr || g_torch_compiler == nullptr) {
+    return true; // a torch without these: keep torch's wrapper
+  }
+  PyObject* callback = PyObject_CallNoArgs(g_get_eval_frame_callback);
+  if (callback == nullptr) {
+    throw py::error_already_set();
+  }
+  const bool no_callback = callback == Py_None;
+  Py_DECREF(callback);
+  if (!no_callback) {
+    return true;
+  }
+  PyObject* exporting = PyObject_GetAttr(g_torch_compiler, g_is_exporting_flag);
+  if (exporting == nullptr) {
+    PyErr_Clear();
+    return true;
+  }
+  const bool is_exporting = exporting != Py_False;
+  Py_DECREF(exporting);
+  return is_exporting;
+}
+
+// Is `fn` register_kernel's `wrapped_fn` (the set_kernel_enabled check),
+// as in every torch we support? A torch that wraps differently keeps its
+// whole wrapper.
+bool is_kernel_enabled_check(PyObject* fn) {
+  PyObject* name = PyObject_GetAttr(fn, g_name);
+  if (name == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const int same = PyUnicode_Check(name) ? PyUnicode_Compare(name, g_wrapped_fn) : 1;
+  Py_DECREF(name);
+  return same == 0;
+}
+
+// The Python function the dispatcher's kernel at `ks` would call, or None
+// when that kernel is not CustomOpDef's CompositeExplicitAutograd one.
+// Requires the GIL.
+py::object direct_function(
+    const OpState& state,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet ks) {
+  if (!state.functional_schema || ks.empty()) {
+    return py::none();
+  }
+  const auto key = ks.highestPriorityTypeId();
+  if (c10::toFunctionalityKey(key) != c10::DispatchKey::Dense ||
+      op.hasKernelForDispatchKey(key)) {
+    return py::none();
+  }
+  PyObject* fns = PyObject_GetAttr(state.opdef.get().ptr(), g_backend_fns);
+  if (fns == nullptr) {
+    PyErr_Clear();
+    return py::none();
+  }
+  py::object backend_fns = py::reinterpret_steal<py::object>(fns);
+  if (!PyDict_Check(fns)) {
+    return py::none();
+  }
+  PyObject* wrapper = PyDict_GetItemWithError(fns, Py_None); // borrowed
+  if (wrapper == nullptr) {
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return py::none();
+  }
+  if (!dynamo_wrapper_needed()) {
+    // torch._disable_dynamo's functools.wraps: the set_kernel_enabled check
+    // (register_kernel's `wrapped_fn`) around the function.
+    PyObject* inner = PyObject_GetAttr(wrapper, g_wrapped);
+    if (inner == nullptr) {
+      PyErr_Clear();
+    } else if (is_kernel_enabled_check(inner)) {
+      return py::reinterpret_steal<py::object>(inner);
+    } else {
+      Py_DECREF(inner);
+    }
+  }
+  return py::reinterpret_borrow<py::object>(wrapper);
+}
+
+void push_returns(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const py::object& out,
+    torch::jit::Stack* stack);
+
+// Replaces the op's arguments on `stack` by what `fn` returns for them, as
+// torch's PythonKernelHolder does. Requires the GIL.
+void call_on_stack(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const py::object& fn,
+    torch::jit::Stack* stack) {
+  const auto& arguments = schema.arguments();
+  const size_t num_args = arguments.size();
+  const auto args = torch::jit::last(*stack, num_args);
+  size_t num_positional = 0;
+  while (num_positional < num_args && !arguments[num_positional].kwarg_only()) {
+    ++num_positional;
+  }
+  py::tuple positional(num_positional);
+  py::dict kwargs;
+  for (size_t a = 0; a < num_args; ++a) {
+    if (a < num_positional) {
+      positional[a] = torch::jit::toPyObject(args[a]);
+    } else {
+      kwargs[py::str(arguments[a].name())] = torch::jit::toPyObject(args[a]);
+    }
+  }
+  py::object out = fn(*positional, **kwargs);
+  std::vector<at::Tensor> inputs;
+  flatten_tensors(args, inputs);
+  torch::jit::drop(*stack, num_args);
+  push_returns(state, schema, out, stack);
+  std::vector<at::Tensor> outputs;
+  flatten_tensors(torch::jit::last(*stack, schema.returns().size()), outputs);
+  if (any_aliasing(inputs, outputs)) {
+    // torch.library's error, as backend_impl raises it (it cannot see
+    // through BatchedTensors: the batched kernel's check_no_aliasing then
+    // raises ours).
+    state.opdef.get().attr("_check_aliasing")(positional, kwargs, out);
+  }
+}
+
+// Pushes what the op's function returned, as the schema's returns.
+void push_returns(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const py::object& out,
+    torch::jit::Stack* stack) {
+  const auto& returns = schema.returns();
+  if (returns.size() == 1) {
+    torch::jit::push(*stack, torch::jit::toIValue(out, returns[0].type()));
+    return;
+  }
+  if (returns.empty()) {
+    TORCH_CHECK(
+        out.is_none(),
+        "torch_autobatch: ",
+        state.qualname,
+        " declares no return value, but its function returned ",
+        py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(),
+        ". Return None, or declare the return in the schema.");
+    return;
+  }
+  TORCH_CHECK(
+      py::isinstance<py::tuple>(out) || py::isinstance<py::list>(out),
+      "torch_autobatch: ",
+      state.qualname,
+      " declares ",
+      returns.size(),
+      " return values, so its function must return a tuple of ",
+      returns.size(),
+      "; it returned ",
+      py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(),
+      ".");
+  py::sequence seq = out;
+  TORCH_CHECK(
+      seq.size() == returns.size(),
+      "torch_autobatch: ",
+      state.qualname,
+      " declares ",
+      returns.size(),
+      " return values, but its function returned ",
+      seq.size(),
+      ".");
+  for (size_t r = 0; r < returns.size(); ++r) {
+    torch::jit::push(*stack, torch::jit::toIValue(seq[r], returns[r].type()));
+  }
+}
+
+} // namespace
+
+bool has_functional_schema(const c10::FunctionSchema& schema) {
+  if (schema.is_mutable()) {
+    return false;
+  }
+  for (const auto& a : schema.arguments()) {
+    if (a.alias_info() != nullptr) {
+      return false;
+    }
+  }
+  for (const auto& r : schema.returns()) {
+    if (r.alias_info() != nullptr) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void init_composite_call() {
+  g_backend_fns = PyUnicode_InternFromString("_backend_fns");
+  g_wrapped = PyUnicode_InternFromString("__wrapped__");
+  g_name = PyUnicode_InternFromString("__name__");
+  g_wrapped_fn = PyUnicode_InternFromString("wrapped_fn");
+  g_is_exporting_flag = PyUnicode_InternFromString("_is_exporting_flag");
+  try {
+    py::object get_callback =
+        py::module_::import("torch._C._dynamo.eval_frame").attr("get_eval_frame_callback");
+    g_get_eval_frame_callback = get_callback.release().ptr();
+    g_torch_compiler = py::module_::import("torch.compiler").release().ptr();
+  } catch (py::error_already_set&) {
+    // An older or newer torch without them: torch's wrapper is always kept.
+    g_get_eval_frame_callback = nullptr;
+    g_torch_compiler = nullptr;
+  }
+}
+
+void run_backend(
+    const OpState& state,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet ks,
+    torch::jit::Stack* stack) {
+  if (state.functional_schema) {
+    py::gil_scoped_acquire gil;
+    py::object fn = direct_function(state, op, ks);
+    if (!fn.is_none()) {
+      call_on_stack(state, op.schema(), fn, stack);
+      return;
+    }
+  }
+  op.redispatchBoxed(ks, stack);
+}
+
+} // namespace torch_autobatch
