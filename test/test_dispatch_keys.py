@@ -6,6 +6,8 @@ hand-written list once missed: Conjugate/Negative, ZeroTensor, Autocast,
 Python modes and Functionalize, eager and under vmap.
 """
 
+import inspect
+
 import torch
 from torch.func import functionalize, grad, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
@@ -97,6 +99,77 @@ class TestDispatchKeys(TestCase):
             grad(lambda x: functionalize(vmap(f))(x, y).pow(2).sum())(x),
             grad(lambda x: vmap(f_ref)(x, y).pow(2).sum())(x),
         )
+
+
+def _backend_frames() -> list[str]:
+    """Names of torch.library's backend wrapper frames on the current stack."""
+    return [fr.function for fr in inspect.stack() if fr.function in ("backend_impl", "_fn", "inner")]
+
+
+class TestDirectCall(TestCase):
+    """NOTE [Calling the composite directly] (csrc/composite.cpp)."""
+
+    def test_direct_call_skips_only_torchs_wrapper(self):
+        seen = []
+
+        @torch_autobatch.custom_op("tab_keys::direct", mutates_args=())
+        def direct(x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+            seen.append(_backend_frames())
+            return x.sin() * scale
+
+        x = torch.randn(3, 4)
+        self.assertEqual(direct(x, scale=2.0), 2 * x.sin())
+        self.assertEqual(direct(x.requires_grad_(), scale=2.0), 2 * x.sin())
+        self.assertEqual(vmap(lambda t: direct(t, scale=3.0))(x), 3 * x.sin())
+        self.assertEqual(seen, [[], [], []])
+        # Under a TorchDispatchMode the Python key is left below our kernel:
+        # the dispatcher's way, through torch's wrapper.
+        seen.clear()
+        with Recorder() as rec:
+            self.assertEqual(direct(x.detach(), scale=2.0), 2 * x.sin())
+        self.assertIn("tab_keys.direct.default", rec.ops)
+        self.assertIn("backend_impl", seen[0])
+
+    def test_kernel_at_the_backend_key_still_runs(self):
+        @torch_autobatch.custom_op("tab_keys::per_device", mutates_args=())
+        def per_device(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        x = torch.randn(3, 4)
+        per_device.register_kernel("cpu", lambda t: t.cos())
+        for call in (per_device, vmap(per_device), lambda t: per_device(t.requires_grad_())):
+            self.assertEqual(call(x.clone()), x.cos())
+        with per_device.set_kernel_enabled("cpu", False):
+            for call in (per_device, vmap(per_device)):
+                self.assertEqual(call(x), x.sin())
+        self.assertEqual(vmap(per_device)(x), x.cos())
+
+    def test_a_kernel_set_by_torch_library_impl_runs(self):
+        @torch_autobatch.custom_op("tab_keys::by_impl", mutates_args=())
+        def by_impl(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+        x = torch.randn(3, 4)
+        self.assertEqual(vmap(by_impl)(x), x.sin())
+        torch.library.impl("tab_keys::by_impl", "cpu", lambda t: t.exp(), lib=self._lib())
+        self.assertEqual(by_impl(x), x.exp())
+        self.assertEqual(vmap(by_impl)(x), x.exp())
+
+    def _lib(self) -> torch.library.Library:
+        lib = torch.library.Library("tab_keys", "FRAGMENT")
+        self.addCleanup(lib._destroy)
+        return lib
+
+    def test_wrong_number_of_returns(self):
+        @torch_autobatch.custom_op("tab_keys::two_returns", mutates_args=())
+        def two_returns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.sin()  # type: ignore[return-value]
+
+        x = torch.randn(3, 4)
+        for call in (two_returns, vmap(two_returns)):
+            with self.assertRaisesRegex(RuntimeError, "two_returns declares 2 return values, so its "
+                                        "function must return a tuple of 2; it returned Tensor"):
+                call(x)
 
 
 if __name__ == "__main__":
