@@ -14,9 +14,9 @@ each with its cost over the plain function):
    function itself (``torch.library.Library.impl``): the least any Python-kernel
    operator pays (``OpOverload`` call, argument parsing, dispatch, Python kernel
    call, the Autograd fallback);
-4. a ``torch_autobatch.custom_op``: 3, plus our Autograd kernel, plus torch's
-   backend wrapper (2 and torch.library's aliasing check) in place of the bare
-   kernel;
+4. a ``torch_autobatch.custom_op``: 3, plus our Autograd kernel, which calls the
+   function itself in place of torch's backend wrapper (NOTE [Calling the
+   composite directly] in csrc/composite.cpp);
 5. a ``torch.library.custom_op`` (torch's Python Autograd kernel), for reference.
 
 Then the same for a call with an input that requires grad (forward only: the op
