@@ -131,50 +131,6 @@ py::object direct_function(
   return py::reinterpret_borrow<py::object>(wrapper);
 }
 
-void push_returns(
-    const OpState& state,
-    const c10::FunctionSchema& schema,
-    const py::object& out,
-    torch::jit::Stack* stack);
-
-// Replaces the op's arguments on `stack` by what `fn` returns for them, as
-// torch's PythonKernelHolder does. Requires the GIL.
-void call_on_stack(
-    const OpState& state,
-    const c10::FunctionSchema& schema,
-    const py::object& fn,
-    torch::jit::Stack* stack) {
-  const auto& arguments = schema.arguments();
-  const size_t num_args = arguments.size();
-  const auto args = torch::jit::last(*stack, num_args);
-  size_t num_positional = 0;
-  while (num_positional < num_args && !arguments[num_positional].kwarg_only()) {
-    ++num_positional;
-  }
-  py::tuple positional(num_positional);
-  py::dict kwargs;
-  for (size_t a = 0; a < num_args; ++a) {
-    if (a < num_positional) {
-      positional[a] = torch::jit::toPyObject(args[a]);
-    } else {
-      kwargs[py::str(arguments[a].name())] = torch::jit::toPyObject(args[a]);
-    }
-  }
-  py::object out = fn(*positional, **kwargs);
-  std::vector<at::Tensor> inputs;
-  flatten_tensors(args, inputs);
-  torch::jit::drop(*stack, num_args);
-  push_returns(state, schema, out, stack);
-  std::vector<at::Tensor> outputs;
-  flatten_tensors(torch::jit::last(*stack, schema.returns().size()), outputs);
-  if (any_aliasing(inputs, outputs)) {
-    // torch.library's error, as backend_impl raises it (it cannot see
-    // through BatchedTensors: the batched kernel's check_no_aliasing then
-    // raises ours).
-    state.opdef.get().attr("_check_aliasing")(positional, kwargs, out);
-  }
-}
-
 // Pushes what the op's function returned, as the schema's returns.
 void push_returns(
     const OpState& state,
@@ -219,6 +175,44 @@ void push_returns(
       ".");
   for (size_t r = 0; r < returns.size(); ++r) {
     torch::jit::push(*stack, torch::jit::toIValue(seq[r], returns[r].type()));
+  }
+}
+
+// Replaces the op's arguments on `stack` by what `fn` returns for them, as
+// torch's PythonKernelHolder does. Requires the GIL.
+void call_on_stack(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const py::object& fn,
+    torch::jit::Stack* stack) {
+  const auto& arguments = schema.arguments();
+  const size_t num_args = arguments.size();
+  const auto args = torch::jit::last(*stack, num_args);
+  size_t num_positional = 0;
+  while (num_positional < num_args && !arguments[num_positional].kwarg_only()) {
+    ++num_positional;
+  }
+  py::tuple positional(num_positional);
+  py::dict kwargs;
+  for (size_t a = 0; a < num_args; ++a) {
+    if (a < num_positional) {
+      positional[a] = torch::jit::toPyObject(args[a]);
+    } else {
+      kwargs[py::str(arguments[a].name())] = torch::jit::toPyObject(args[a]);
+    }
+  }
+  py::object out = fn(*positional, **kwargs);
+  std::vector<at::Tensor> inputs;
+  flatten_tensors(args, inputs);
+  torch::jit::drop(*stack, num_args);
+  push_returns(state, schema, out, stack);
+  std::vector<at::Tensor> outputs;
+  flatten_tensors(torch::jit::last(*stack, schema.returns().size()), outputs);
+  if (any_aliasing(inputs, outputs)) {
+    // torch.library's error, as backend_impl raises it (it cannot see
+    // through BatchedTensors: the batched kernel's check_no_aliasing then
+    // raises ours).
+    state.opdef.get().attr("_check_aliasing")(positional, kwargs, out);
   }
 }
 
