@@ -85,21 +85,20 @@ bool is_kernel_enabled_check(PyObject* fn) {
   return same == 0;
 }
 
-// The Python function the dispatcher's kernel at `ks` would call, or None
-// when that kernel is not CustomOpDef's CompositeExplicitAutograd one.
-// Requires the GIL.
-py::object direct_function(
-    const OpState& state,
-    const c10::OperatorHandle& op,
-    c10::DispatchKeySet ks) {
-  if (!state.functional_schema || ks.empty()) {
-    return py::none();
+// Would the dispatcher, at `ks`, find CustomOpDef's CompositeExplicitAutograd
+// kernel (if the op has one)?
+bool composite_serves(const c10::OperatorHandle& op, c10::DispatchKeySet ks) {
+  if (ks.empty()) {
+    return false;
   }
   const auto key = ks.highestPriorityTypeId();
-  if (c10::toFunctionalityKey(key) != c10::DispatchKey::Dense ||
-      op.hasKernelForDispatchKey(key)) {
-    return py::none();
-  }
+  return c10::toFunctionalityKey(key) == c10::DispatchKey::Dense &&
+      !op.hasKernelForDispatchKey(key);
+}
+
+// The Python function that CustomOpDef's CompositeExplicitAutograd kernel
+// would call, or None when the op has no such kernel. Requires the GIL.
+py::object direct_function(const OpState& state) {
   PyObject* fns = PyObject_GetAttr(state.opdef.get().ptr(), g_backend_fns);
   if (fns == nullptr) {
     PyErr_Clear();
@@ -258,9 +257,9 @@ void run_backend(
     const c10::OperatorHandle& op,
     c10::DispatchKeySet ks,
     torch::jit::Stack* stack) {
-  if (state.functional_schema) {
+  if (state.functional_schema && composite_serves(op, ks)) {
     py::gil_scoped_acquire gil;
-    py::object fn = direct_function(state, op, ks);
+    py::object fn = direct_function(state);
     if (!fn.is_none()) {
       call_on_stack(state, op.schema(), fn, stack);
       return;
