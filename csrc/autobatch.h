@@ -156,8 +156,13 @@ py::object call_setup_context(
     std::vector<at::Tensor>& saved,
     std::vector<bool>& non_differentiable);
 
-// Does an output share memory with an input or another output?
-bool any_aliasing(
+// The first output that shares memory with an earlier output (other_output)
+// or with an input (other_output empty).
+struct Aliasing {
+  size_t output;
+  std::optional<size_t> other_output;
+};
+std::optional<Aliasing> find_aliasing(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs);
 

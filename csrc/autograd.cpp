@@ -105,22 +105,22 @@ bool aliases(const at::Tensor& a, const at::Tensor& b) {
 
 } // namespace
 
-bool any_aliasing(
+std::optional<Aliasing> find_aliasing(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs) {
   for (size_t o = 0; o < outputs.size(); ++o) {
     for (size_t p = 0; p < o; ++p) {
       if (aliases(outputs[o], outputs[p])) {
-        return true;
+        return Aliasing{o, p};
       }
     }
     for (const auto& in : inputs) {
       if (aliases(outputs[o], in)) {
-        return true;
+        return Aliasing{o, std::nullopt};
       }
     }
   }
-  return false;
+  return std::nullopt;
 }
 
 CustomOpNode::CustomOpNode(
@@ -404,35 +404,33 @@ void check_no_aliasing(
     const c10::FunctionSchema& schema,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs) {
-  for (size_t o = 0; o < outputs.size(); ++o) {
-    for (size_t p = 0; p < o; ++p) {
-      TORCH_CHECK(
-          !aliases(outputs[o], outputs[p]),
-          "torch_autobatch: ",
-          state.qualname,
-          " returned outputs ",
-          p,
-          " and ",
-          o,
-          " that alias each other (share memory), which its schema `",
-          schema,
-          "` does not declare. Return distinct tensors: e.g. `y, y.clone()` "
-          "instead of `y, y`.");
-    }
-    for (const auto& in : inputs) {
-      TORCH_CHECK(
-          !aliases(outputs[o], in),
-          "torch_autobatch: ",
-          state.qualname,
-          " returned an output (tensor ",
-          o,
-          ") that aliases one of its inputs, which its schema `",
-          schema,
-          "` does not declare. Operators made by torch_autobatch.custom_op "
-          "must return new tensors: return `x.clone()` instead of `x` or a "
-          "view of it.");
-    }
+  const auto found = find_aliasing(inputs, outputs);
+  if (!found) {
+    return;
   }
+  TORCH_CHECK(
+      !found->other_output,
+      "torch_autobatch: ",
+      state.qualname,
+      " returned outputs ",
+      found->other_output.value_or(0),
+      " and ",
+      found->output,
+      " that alias each other (share memory), which its schema `",
+      schema,
+      "` does not declare. Return distinct tensors: e.g. `y, y.clone()` "
+      "instead of `y, y`.");
+  TORCH_CHECK(
+      false,
+      "torch_autobatch: ",
+      state.qualname,
+      " returned an output (tensor ",
+      found->output,
+      ") that aliases one of its inputs, which its schema `",
+      schema,
+      "` does not declare. Operators made by torch_autobatch.custom_op "
+      "must return new tensors: return `x.clone()` instead of `x` or a "
+      "view of it.");
 }
 
 py::object call_setup_context(

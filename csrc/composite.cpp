@@ -207,7 +207,7 @@ void call_on_stack(
   push_returns(state, schema, out, stack);
   std::vector<at::Tensor> outputs;
   flatten_tensors(torch::jit::last(*stack, schema.returns().size()), outputs);
-  if (any_aliasing(inputs, outputs)) {
+  if (find_aliasing(inputs, outputs)) {
     // torch.library's error, as backend_impl raises it (it cannot see
     // through BatchedTensors: the batched kernel's check_no_aliasing then
     // raises ours).
