@@ -166,19 +166,23 @@ std::optional<Aliasing> find_aliasing(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs);
 
-// Raises if an output shares memory with an input (the schema declares no
-// aliasing).
+// Raises if an output shares memory with an input or another output (the
+// schema declares no aliasing). `torch_check`: the op's function was called
+// directly (run_backend returned true) on tensors torch's check can see, so
+// torch.library's own error comes first, as its backend kernel raises it.
 void check_no_aliasing(
     const OpState& state,
     const c10::FunctionSchema& schema,
     const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs);
+    const std::vector<at::Tensor>& outputs,
+    bool torch_check = false);
 
 // Runs the op's own function on `stack` with the dispatch keys `ks` (those
 // below the calling kernel): calls it directly when that is the kernel the
 // dispatcher would pick, else redispatches (NOTE [Calling the composite
-// directly], composite.cpp).
-void run_backend(
+// directly], composite.cpp). Returns whether it called it directly: then the
+// caller's check_no_aliasing stands for torch's.
+bool run_backend(
     const OpState& state,
     const c10::OperatorHandle& op,
     c10::DispatchKeySet ks,

@@ -403,10 +403,24 @@ void check_no_aliasing(
     const OpState& state,
     const c10::FunctionSchema& schema,
     const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs) {
+    const std::vector<at::Tensor>& outputs,
+    bool torch_check) {
   const auto found = find_aliasing(inputs, outputs);
   if (!found) {
     return;
+  }
+  if (torch_check) {
+    // torch.library's error, as backend_impl would have raised it.
+    py::gil_scoped_acquire gil;
+    const auto as_tuple = [](const std::vector<at::Tensor>& ts) {
+      py::tuple t(ts.size());
+      for (size_t k = 0; k < ts.size(); ++k) {
+        t[k] = py::cast(ts[k]);
+      }
+      return t;
+    };
+    state.opdef.get().attr("_check_aliasing")(
+        as_tuple(inputs), py::dict(), as_tuple(outputs));
   }
   TORCH_CHECK(
       !found->other_output,
@@ -625,6 +639,7 @@ class AutogradKernel final : public c10::OperatorKernel {
       rng_before_primal.emplace(inputs);
     }
 
+    bool called_directly = false;
     {
       // The user's forward runs once, below autograd: never recorded. A
       // mutating op goes through ADInplaceOrView, whose kernel (torch's,
@@ -659,14 +674,15 @@ class AutogradKernel final : public c10::OperatorKernel {
       if (mutates) {
         op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
       } else {
-        run_backend(*state_, op, ks & c10::after_ADInplaceOrView_keyset, stack);
+        called_directly =
+            run_backend(*state_, op, ks & c10::after_ADInplaceOrView_keyset, stack);
       }
     }
 
     const auto returns = torch::jit::last(*stack, num_returns);
     std::vector<at::Tensor> outputs;
     auto ret_slots = flatten_tensors(returns, outputs);
-    check_no_aliasing(*state_, schema, inputs, outputs);
+    check_no_aliasing(*state_, schema, inputs, outputs, called_directly);
     if (!needs_node && !any_tangent) {
       return;
     }

@@ -301,6 +301,8 @@ class BatchedKernel final : public c10::OperatorKernel {
       const DynamicLayer& layer,
       torch::jit::Stack* stack) const;
 
+  static bool nothing_to_attach(bool grad_mode, const std::vector<at::Tensor>& inputs);
+
   void attach_grad_nodes(
       bool grad_mode,
       std::vector<Slot> arg_slots,
@@ -448,6 +450,29 @@ void BatchedKernel::set_custom_tangents(
   }
 }
 
+// The common case of the walk below, without its copies: only vmap levels
+// (no Grad or Jvp level to attach at), and at the base grad mode is off or no
+// input, with its batch dims peeled, requires grad.
+bool BatchedKernel::nothing_to_attach(bool grad_mode, const std::vector<at::Tensor>& inputs) {
+  for (const auto& layer : at::functorch::getDynamicLayerStack()) {
+    if (layer.key() != TransformType::Vmap) {
+      return false;
+    }
+  }
+  if (!grad_mode) {
+    return true;
+  }
+  for (at::Tensor t : inputs) {
+    while (auto* b = t.defined() ? at::functorch::maybeGetBatchedImpl(t) : nullptr) {
+      t = b->value();
+    }
+    if (t.defined() && t.requires_grad()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void BatchedKernel::attach_grad_nodes(
     bool grad_mode,
     std::vector<Slot> arg_slots,
@@ -456,6 +481,9 @@ void BatchedKernel::attach_grad_nodes(
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs) const {
+  if (nothing_to_attach(grad_mode, inputs)) {
+    return;
+  }
   // A copy: setup_context below runs user Python, which may replace the
   // thread's functorch state (an autograd engine run inside it).
   const auto layers = at::functorch::getDynamicLayerStack();

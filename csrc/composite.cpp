@@ -19,8 +19,9 @@
 //   (register_kernel("cpu"), torch.library.impl(..., "CPU"), a fake at Meta);
 // - the schema declares no aliasing or mutation (backend_impl's return
 //   checks for in-place and out= ops stay torch's);
-// - backend_impl's aliasing check is done in C++; only when an output does
-//   alias is torch's check called, for torch's error;
+// - backend_impl's aliasing check is the calling kernel's check_no_aliasing,
+//   which both kernels run anyway; only when an output does alias is torch's
+//   check called, for torch's error (run_backend returns true for that);
 // - torch._disable_dynamo is skipped only when it would do nothing: no Dynamo
 //   frame callback is set on this thread and torch.export is not running.
 //   Otherwise the wrapper is called as torch calls it.
@@ -179,7 +180,8 @@ void push_returns(
 }
 
 // Replaces the op's arguments on `stack` by what `fn` returns for them, as
-// torch's PythonKernelHolder does. Requires the GIL.
+// torch's PythonKernelHolder does (keyword-only arguments by name). One
+// vectorcall: no argument tuple or dict is built. Requires the GIL.
 void call_on_stack(
     const OpState& state,
     const c10::FunctionSchema& schema,
@@ -192,28 +194,32 @@ void call_on_stack(
   while (num_positional < num_args && !arguments[num_positional].kwarg_only()) {
     ++num_positional;
   }
-  py::tuple positional(num_positional);
-  py::dict kwargs;
+  // Slot 0 is free for the callee (PY_VECTORCALL_ARGUMENTS_OFFSET).
+  c10::SmallVector<py::object, 8> owned(num_args);
+  c10::SmallVector<PyObject*, 9> argv(num_args + 1, nullptr);
   for (size_t a = 0; a < num_args; ++a) {
-    if (a < num_positional) {
-      positional[a] = torch::jit::toPyObject(args[a]);
-    } else {
-      kwargs[py::str(arguments[a].name())] = torch::jit::toPyObject(args[a]);
+    owned[a] = torch::jit::toPyObject(args[a]);
+    argv[a + 1] = owned[a].ptr();
+  }
+  py::object kwnames;
+  if (num_positional < num_args) {
+    py::tuple names(num_args - num_positional);
+    for (size_t a = num_positional; a < num_args; ++a) {
+      names[a - num_positional] = py::str(arguments[a].name());
     }
+    kwnames = std::move(names);
   }
-  py::object out = fn(*positional, **kwargs);
-  std::vector<at::Tensor> inputs;
-  flatten_tensors(args, inputs);
+  PyObject* out = PyObject_Vectorcall(
+      fn.ptr(),
+      argv.data() + 1,
+      num_positional | PY_VECTORCALL_ARGUMENTS_OFFSET,
+      kwnames ? kwnames.ptr() : nullptr);
+  if (out == nullptr) {
+    throw py::error_already_set();
+  }
+  const py::object result = py::reinterpret_steal<py::object>(out);
   torch::jit::drop(*stack, num_args);
-  push_returns(state, schema, out, stack);
-  std::vector<at::Tensor> outputs;
-  flatten_tensors(torch::jit::last(*stack, schema.returns().size()), outputs);
-  if (find_aliasing(inputs, outputs)) {
-    // torch.library's error, as backend_impl raises it (it cannot see
-    // through BatchedTensors: the batched kernel's check_no_aliasing then
-    // raises ours).
-    state.opdef.get().attr("_check_aliasing")(positional, kwargs, out);
-  }
+  push_returns(state, schema, result, stack);
 }
 
 } // namespace
@@ -253,7 +259,7 @@ void init_composite_call() {
   }
 }
 
-void run_backend(
+bool run_backend(
     const OpState& state,
     const c10::OperatorHandle& op,
     c10::DispatchKeySet ks,
@@ -263,10 +269,11 @@ void run_backend(
     py::object fn = direct_function(state);
     if (!fn.is_none()) {
       call_on_stack(state, op.schema(), fn, stack);
-      return;
+      return true;
     }
   }
   op.redispatchBoxed(ks, stack);
+  return false;
 }
 
 } // namespace torch_autobatch

@@ -148,41 +148,61 @@ class LowerToLevel {
 // ops with FrontMode kernels (dropout family) skip vmap's randomness checks.
 // A plain function called at that point sees the same stack with the top
 // *not* processing and the caller's TLS. So, for the guard's lifetime, the
-// stack is a copy whose top has its saved key set cleared, and the TLS is that
-// saved set; both are restored on every exit path. No-op outside transforms,
-// or when the top is not processing.
+// top level's saved key set is cleared and the TLS is that saved set; both are
+// restored on every exit path. No-op outside transforms, or when the top is
+// not processing. The top is changed in place (a copy of the stack cost ~1 us
+// a call): the destructor finds it again by depth and level, since user code
+// in between may replace the thread's functorch state with a copy (an
+// autograd engine run restores the one it captured, with the set cleared).
 class AsPlainCaller {
  public:
   AsPlainCaller()
-      : saved_stack_(at::functorch::getDynamicLayerStack()),
-        saved_tls_(c10::impl::tls_local_dispatch_key_set()) {
+      : saved_tls_(c10::impl::tls_local_dispatch_key_set()), caller_tls_(saved_tls_) {
     // process() excludes the front key from the TLS while it runs: that is
     // how we know the top is processing (its saved key set is then set).
-    if (saved_stack_.empty() ||
+    const auto& stack = at::functorch::getDynamicLayerStack();
+    if (stack.empty() ||
         !c10::impl::tls_is_dispatch_key_excluded(
             c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
       return;
     }
-    std::vector<DynamicLayer> stack = saved_stack_;
-    auto& top = stack.back().interpreter();
-    const auto caller_tls = top.getSavedLocalDispatchKeySet();
+    auto& top = top_interpreter();
+    caller_tls_ = top.getSavedLocalDispatchKeySet();
+    depth_ = stack.size();
+    level_ = top.level();
     top.clearSavedLocalDispatchKeySet();
-    at::functorch::setDynamicLayerStack(stack);
-    c10::impl::_force_tls_local_dispatch_key_set(caller_tls);
+    c10::impl::_force_tls_local_dispatch_key_set(caller_tls_);
     active_ = true;
   }
   AsPlainCaller(const AsPlainCaller&) = delete;
   AsPlainCaller& operator=(const AsPlainCaller&) = delete;
   ~AsPlainCaller() {
-    if (active_) {
-      at::functorch::setDynamicLayerStack(saved_stack_);
-      c10::impl::_force_tls_local_dispatch_key_set(saved_tls_);
+    if (!active_) {
+      return;
     }
+    try {
+      if (at::functorch::getDynamicLayerStack().size() == depth_ &&
+          top_interpreter().level() == level_) {
+        top_interpreter().saveLocalDispatchKeySet(caller_tls_);
+      }
+    } catch (const c10::Error&) {
+      // The level already holds a saved set: functorch's guards in between
+      // were unbalanced. Leave it; a destructor must not throw.
+    }
+    c10::impl::_force_tls_local_dispatch_key_set(saved_tls_);
   }
 
  private:
-  std::vector<DynamicLayer> saved_stack_;
+  // getDynamicLayerStack() is the thread's own vector (not a copy).
+  static at::functorch::Interpreter& top_interpreter() {
+    return const_cast<DynamicLayer&>(at::functorch::getDynamicLayerStack().back())
+        .interpreter();
+  }
+
   c10::impl::LocalDispatchKeySet saved_tls_;
+  c10::impl::LocalDispatchKeySet caller_tls_;
+  size_t depth_ = 0;
+  int64_t level_ = 0;
   bool active_ = false;
 };
 
