@@ -11,6 +11,7 @@ Run: ``python -m pytest test/test_custom_op.py -q`` or ``python test/test_custom
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Callable, Optional
 
@@ -758,6 +759,25 @@ class TestRegistration(TestCase):
         y = op(x)
         self.assertEqual(y, x.detach().sin())
         self.assertTrue(y.requires_grad)  # the error comes at backward time
+
+
+class TestIntrospection(TestCase):
+    def test_signature_and_wrapped_are_the_function(self):
+        def scale(x: torch.Tensor, s: float = 2.0) -> torch.Tensor:
+            """Scales x."""
+            return x * s
+
+        op = torch_autobatch.custom_op("tab_test::introspect_scale", scale, mutates_args=())
+        self.assertIs(inspect.unwrap(op), scale)
+        self.assertEqual(inspect.signature(op), inspect.signature(scale))
+        self.assertEqual(op.__doc__, "Scales x.")
+        # What vmap(op) copies into its wrapper on every call (functools.wraps):
+        # no more than torch.library's own op carries, plus our one holder and
+        # the names functools.wraps reads anyway.
+        torch_op = torch.library.custom_op("tab_test::introspect_scale_torch", scale, mutates_args=())
+        ours_only = set(op.__dict__) - set(torch_op.__dict__)
+        self.assertEqual(ours_only, {"_define", "_ab", "__name__", "__qualname__", "__doc__"})
+        self.assertEqual(torch.vmap(op)(torch.ones(3, 2)), 2 * torch.ones(3, 2))
 
 
 class TestThreads(TestCase):

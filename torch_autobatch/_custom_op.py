@@ -77,6 +77,33 @@ def _takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> b
 # rule for our batched kernel instead of registering torch's Python one, the
 # fake kernel defaults to the op's own function, keyword-only tensors are
 # allowed, and register_autograd/register_jvp accept our extra forms.
+class _OpExtras:
+    """What torch_autobatch keeps per op beyond torch's CustomOpDef.
+
+    One slotted attribute rather than several instance attributes: torch's
+    vmap copies the op's ``__dict__`` into its wrapper on every ``vmap(op)``
+    call (functools.wraps), at ~0.1 us an entry.
+    """
+
+    __slots__ = (
+        "kwarg_only", "positional_grads_ok", "num_returns", "setup_context_kwonly",
+        "jvp_fn", "jvp_setup_context_fn", "jvp_setup_context_kwonly", "registration",
+    )
+
+    def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
+        #: Names of the keyword-only arguments, in schema order.
+        self.kwarg_only = kwarg_only
+        #: A backward may return gradients for the positional inputs only.
+        self.positional_grads_ok = positional_grads_ok
+        self.num_returns = num_returns
+        #: Does setup_context take ``keyword_only_inputs``?
+        self.setup_context_kwonly = False
+        self.jvp_fn: Optional[Callable[..., Any]] = None
+        self.jvp_setup_context_fn: Optional[Callable[..., Any]] = None
+        self.jvp_setup_context_kwonly = False
+        self.registration: Any = None  # _C's handle on our kernels' OpState
+
+
 class CustomOpDef(_torch_custom_ops.CustomOpDef):
     """An operator made by :func:`custom_op`; call it like the function it wraps.
 
@@ -127,36 +154,43 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         (NOTE [Upgrading an existing op] in _upgrade.py): it reads the rules
         already registered on it.
         """
-        self._jvp_fn: Optional[Callable[..., Any]] = None
-        self._jvp_setup_context_fn: Optional[Callable[..., Any]] = None
         schema_args = self._opoverload._schema.arguments
-        self._kwarg_only = tuple(a.name for a in schema_args if a.kwarg_only)
         # A backward may return gradients for the positional inputs only (as
         # torch.library allows) unless a keyword-only input is a tensor: its
         # gradient must then be returned, never silently dropped.
-        self._positional_grads_ok = not any(
-            a.kwarg_only and _library_utils.is_tensorlist_like_type(a.type)
-            or a.kwarg_only and _library_utils.is_tensor_like_type(a.type)
-            for a in schema_args
+        self._ab = _OpExtras(
+            kwarg_only=tuple(a.name for a in schema_args if a.kwarg_only),
+            positional_grads_ok=not any(
+                a.kwarg_only and _library_utils.is_tensorlist_like_type(a.type)
+                or a.kwarg_only and _library_utils.is_tensor_like_type(a.type)
+                for a in schema_args
+            ),
+            num_returns=len(self._opoverload._schema.returns),
         )
-        self._num_returns = len(self._opoverload._schema.returns)
-        self._setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
-        self._jvp_setup_context_kwonly = False
-        self._registration = _C._register_op(self._qualname, self)
+        self._ab.setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
+        self._ab.registration = _C._register_op(self._qualname, self)
         if vmap == "loop":
-            self._registration.set_vmap_mode(_VMAP_LOOP)
+            self._ab.registration.set_vmap_mode(_VMAP_LOOP)
         elif self._vmap_fn is not None:
-            self._registration.set_vmap_mode(_VMAP_RULE)
-        fn = self._init_fn
+            self._ab.registration.set_vmap_mode(_VMAP_RULE)
         self.__name__ = self._name
         self.__qualname__ = self._name
-        self.__doc__ = fn.__doc__
-        self.__wrapped__ = fn
-        self.__signature__ = inspect.signature(fn)
+        self.__doc__ = self._init_fn.__doc__
+
+    # The op's function, for introspection (inspect.signature, inspect.unwrap,
+    # help()); properties rather than instance attributes, which vmap(op)
+    # would copy on every call (_OpExtras).
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._init_fn
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._init_fn)
 
     def _kwonly_form(self, setup_context: Optional[Callable[..., Any]]) -> bool:
         """Does ``setup_context`` take ``keyword_only_inputs`` (for this op)?"""
-        return bool(self._kwarg_only) and _takes_keyword_only_inputs(setup_context)
+        return bool(self._ab.kwarg_only) and _takes_keyword_only_inputs(setup_context)
 
     # ------------------------------------------- torch's CustomOpDef, overridden
     def _register_to_dispatcher(self, tags: Any) -> None:
@@ -261,7 +295,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             self._backward_fn, self._setup_context_fn = backward, setup_context
         else:
             super().register_autograd(backward, setup_context=setup_context)
-        self._setup_context_kwonly = self._kwonly_form(setup_context)
+        self._ab.setup_context_kwonly = self._kwonly_form(setup_context)
         return backward
 
     def register_fake(self, fn: F, /) -> F:
@@ -338,10 +372,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._qualname}.register_jvp: expected setup_context to be "
                 f"callable or None, got {type(setup_context).__name__}."
             )
-        self._jvp_fn = jvp
-        self._jvp_setup_context_fn = setup_context
-        self._jvp_setup_context_kwonly = self._kwonly_form(setup_context)
-        self._registration.set_has_jvp(True)
+        self._ab.jvp_fn = jvp
+        self._ab.jvp_setup_context_fn = setup_context
+        self._ab.jvp_setup_context_kwonly = self._kwonly_form(setup_context)
+        self._ab.registration.set_has_jvp(True)
         return jvp
 
     def register_vmap(self, rule: Optional[F] = None, /) -> Any:
@@ -375,14 +409,14 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}."
             )
         self._vmap_fn = rule
-        self._registration.set_vmap_mode(_VMAP_RULE)
+        self._ab.registration.set_vmap_mode(_VMAP_RULE)
         return rule
 
     # ------------------------------------- called by the C++ kernels (internal)
     def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Schema-ordered arguments as (positional, keyword-only)."""
-        n = len(args) - len(self._kwarg_only)
-        return args[:n], dict(zip(self._kwarg_only, args[n:]))
+        n = len(args) - len(self._ab.kwarg_only)
+        return args[:n], dict(zip(self._ab.kwarg_only, args[n:]))
 
     def _run_vmap_rule(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The register_vmap rule on the batched ``args``, by torch's helper; one value per return."""
@@ -394,7 +428,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             *positional,
             **kwargs,
         )
-        return (out,) if self._num_returns == 1 else tuple(out)
+        return (out,) if self._ab.num_returns == 1 else tuple(out)
 
     def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""
@@ -431,7 +465,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         ctx = BackwardContext(needs_input_grad)
         if self._setup_context_fn is not None:
             self._call_setup_context(
-                self._setup_context_fn, self._setup_context_kwonly, ctx, inputs, output
+                self._setup_context_fn, self._ab.setup_context_kwonly, ctx, inputs, output
             )
         return ctx
 
@@ -444,7 +478,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._name}.register_autograd(backward, setup_context=setup_context) "
                 f"to differentiate through it."
             )
-        num_padded = len(self._kwarg_only) if self._positional_grads_ok else 0
+        num_padded = len(self._ab.kwarg_only) if self._ab.positional_grads_ok else 0
         return run_backward(self._backward_fn, ctx, saved, grads, num_padded)
 
     @property
@@ -453,7 +487,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
 
     @property
     def _jvp_fn_name(self) -> str:
-        return _fn_name(self._jvp_fn)
+        return _fn_name(self._ab.jvp_fn)
 
     def _run_jvp(
         self,
@@ -463,22 +497,22 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         needs_input_grad: tuple[bool, ...],
     ) -> tuple[Any, ...]:
         ctx = BackwardContext(needs_input_grad)
-        output = outputs[0] if self._num_returns == 1 else outputs
+        output = outputs[0] if self._ab.num_returns == 1 else outputs
         setup, kwonly = (
-            (self._jvp_setup_context_fn, self._jvp_setup_context_kwonly)
-            if self._jvp_setup_context_fn is not None
-            else (self._setup_context_fn, self._setup_context_kwonly)
+            (self._ab.jvp_setup_context_fn, self._ab.jvp_setup_context_kwonly)
+            if self._ab.jvp_setup_context_fn is not None
+            else (self._setup_context_fn, self._ab.setup_context_kwonly)
         )
         if setup is not None:
             self._call_setup_context(setup, kwonly, ctx, inputs, output)
-        result = run_jvp(self._jvp_fn, ctx, tangents)
-        if self._num_returns == 1 and not isinstance(result, tuple):
+        result = run_jvp(self._ab.jvp_fn, ctx, tangents)
+        if self._ab.num_returns == 1 and not isinstance(result, tuple):
             result = (result,)
-        if not isinstance(result, tuple) or len(result) != self._num_returns:
+        if not isinstance(result, tuple) or len(result) != self._ab.num_returns:
             got = f"{len(result)} tangent(s)" if isinstance(result, tuple) else type(result).__name__
             raise RuntimeError(
                 f"torch_autobatch: the jvp of {self._qualname} ({self._jvp_fn_name}) "
-                f"returned {got}, but the op has {self._num_returns} output(s). Return "
+                f"returned {got}, but the op has {self._ab.num_returns} output(s). Return "
                 f"one tangent per output (a tuple for several), None for "
                 f"non-differentiable ones."
             )
