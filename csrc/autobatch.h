@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -73,6 +74,8 @@ struct PyNames {
 };
 // Requires the GIL.
 const PyNames& py_names();
+// self.<name>(*args), one vectorcall (no argument tuple). Requires the GIL.
+py::object call_method(py::handle self, PyObject* name, std::initializer_list<py::handle> args);
 
 // How the batched kernel computes an op's outputs under vmap.
 enum class VmapMode : int {

@@ -51,6 +51,20 @@ const PyNames& py_names() {
   return names;
 }
 
+py::object call_method(py::handle self, PyObject* name, std::initializer_list<py::handle> args) {
+  // self, then the arguments: PyObject_VectorcallMethod's layout.
+  c10::SmallVector<PyObject*, 6> argv;
+  argv.push_back(self.ptr());
+  for (py::handle a : args) {
+    argv.push_back(a.ptr());
+  }
+  PyObject* out = PyObject_VectorcallMethod(name, argv.data(), argv.size(), nullptr);
+  if (out == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(out);
+}
+
 void rethrow_python_error(py::error_already_set& e) {
   // Hand the exception over as torch's python_error: torch's bindings and the
   // autograd engine re-raise it in Python unchanged (type, message, traceback)
@@ -251,8 +265,8 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
       for (size_t i = 0; i < saved.size(); ++i) {
         py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
       }
-      py::object result = state_->opdef.get().attr(py_names().run_backward)(
-          ctx_.get(), py_saved, wrap_grads(grads));
+      py::object result = call_method(
+          state_->opdef.get(), py_names().run_backward, {ctx_.get(), py_saved, wrap_grads(grads)});
       out = unwrap_input_grads(result);
     } catch (py::error_already_set& e) {
       rethrow_python_error(e);
@@ -473,13 +487,30 @@ py::object call_setup_context(
       py_output = outs;
     }
     const PyNames& names = py_names();
-    py::object ctx = state.opdef.get().attr(names.setup_autograd)(py_args, py_output, needs);
+    py::object ctx =
+        call_method(state.opdef.get(), names.setup_autograd, {py_args, py_output, needs});
     // NOTE [ctx is torch's FunctionCtx] (_autograd.py): what its methods recorded.
     py::object to_save = ctx.attr(names.to_save);
     if (!to_save.is_none()) {
+      // ctx.save_for_backward is torch's own (NOTE [The per-call Python of a
+      // grad node]): what it recorded is checked here.
+      size_t index = 0;
       for (py::handle item : to_save) {
-        saved.push_back(
-            item.is_none() ? at::Tensor() : THPVariable_Unpack(item.ptr()));
+        const size_t i = index++;
+        if (item.is_none()) {
+          saved.emplace_back();
+          continue;
+        }
+        if (!THPVariable_Check(item.ptr())) {
+          const std::string msg = "ctx.save_for_backward: argument " +
+              std::to_string(i) + " is of type " +
+              std::string(py::str(py::type::handle_of(item).attr("__name__"))) +
+              "; it saves tensors or None only. Store other values as "
+              "attributes instead (ctx.name = value).";
+          PyErr_SetString(PyExc_TypeError, msg.c_str());
+          throw py::error_already_set();
+        }
+        saved.push_back(THPVariable_Unpack(item.ptr()));
       }
       ctx.attr(names.to_save) = py::none();
     }

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -337,6 +337,49 @@ class TestCtxErrors(StateCheckMixin, TestCase):
         op2 = _make_scale_op("err_save_list", lambda ctx, g: (g, None), setup_context2)
         with self.assertRaisesRegex(TypeError, "argument 2 is of type list"):
             op2(_x(3, requires_grad=True), 2.0)
+        self.assertCleanState()
+
+    def test_save_for_backward_non_tensor_under_transforms(self):
+        # save_for_backward is torch's own; the check runs where its record is
+        # read: the grad node (every autograd level, batched or not) and the jvp.
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0], "x")
+
+        op = _make_scale_op("err_save_str", lambda ctx, g: (g, None), setup_context)
+        msg = "ctx.save_for_backward: argument 1 is of type str; it saves tensors or None only"
+        for name, call in [
+            ("grad", lambda: grad(lambda x: op(x, 2.0).sum())(_x(3))),
+            ("vmap(grad)", lambda: vmap(grad(lambda x: op(x, 2.0).sum()))(_x(4, 3))),
+        ]:
+            with self.subTest(name), self.assertRaisesRegex(TypeError, msg):
+                call()
+            self.assertCleanState()
+        op.register_jvp(lambda ctx, tx, ts: tx * 2.0)
+        with self.assertRaisesRegex(TypeError, msg):
+            jvp(lambda x: op(x, 2.0), (_x(3),), (_x(3),))
+        self.assertCleanState()
+
+    def test_saved_tensors_only_during_backward(self):
+        # NOTE [saved_tensors is an instance attribute]: set for the backward's
+        # duration only, also when the backward raises.
+        seen = []
+
+        def backward(ctx, g):
+            seen.append(ctx)
+            (x,) = ctx.saved_tensors
+            if seen[1:]:
+                raise ValueError("second backward fails")
+            return g * 2.0, None
+
+        op = _make_scale_op("err_saved_after", backward)
+        x = _x(3, requires_grad=True)
+        op(x, 2.0).sum().backward()
+        with self.assertRaises(ValueError):
+            op(x, 2.0).sum().backward()
+        for ctx in seen:
+            self.assertNotIn("saved_tensors", vars(ctx))
+            with self.assertRaisesRegex(RuntimeError, "only available inside the backward"):
+                ctx.saved_tensors  # noqa: B018
         self.assertCleanState()
 
 

@@ -23,6 +23,21 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 
+# NOTE [saved_tensors is an instance attribute]
+# The backward reads ctx.saved_tensors once per call. It is a plain instance
+# attribute, set for the duration of the backward (or jvp) and deleted after;
+# outside that window the class's non-data descriptor below answers with the
+# error. A property would cost a Python frame per read.
+class _OnlyInBackward:
+    def __get__(self, ctx: Any, owner: Any = None) -> Any:
+        if ctx is None:
+            return self
+        raise RuntimeError(
+            "ctx.saved_tensors is only available inside the backward function; "
+            "call ctx.save_for_backward(...) in setup_context to save tensors."
+        )
+
+
 class BackwardContext(FunctionCtx):
     """What ``setup_context(ctx, inputs, output)`` fills and ``backward(ctx, *grads)`` reads.
 
@@ -55,16 +70,16 @@ class BackwardContext(FunctionCtx):
     non_differentiable: Optional[tuple[torch.Tensor, ...]] = None
     dirty_tensors: Optional[tuple[torch.Tensor, ...]] = None
     materialize_grads: bool = True
-    _saved_tensors: Optional[tuple[Optional[torch.Tensor], ...]] = None
+    #: The tensors given to :meth:`save_for_backward`, inside backward
+    #: (NOTE [saved_tensors is an instance attribute]).
+    saved_tensors: tuple[Optional[torch.Tensor], ...] = _OnlyInBackward()  # type: ignore[assignment]
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         #: One bool per operator input: does it need a gradient?
         self.needs_input_grad = needs_input_grad
 
-    def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Saves tensors (or None) for backward, where ``ctx.saved_tensors`` returns them."""
-        _check_saveable("save_for_backward", tensors)
-        super().save_for_backward(*tensors)
+    # save_for_backward is torch's: the C++ node checks what it recorded
+    # (check_saveable in csrc/autograd.cpp), one Python frame less per call.
 
     def save_for_forward(self, *tensors: Optional[torch.Tensor]) -> None:
         """Saves tensors (or None) for the jvp, where ``ctx.saved_tensors`` returns them.
@@ -73,16 +88,6 @@ class BackwardContext(FunctionCtx):
         """
         _check_saveable("save_for_forward", tensors)
         super().save_for_forward(*tensors)
-
-    @property
-    def saved_tensors(self) -> tuple[Optional[torch.Tensor], ...]:
-        """The tensors given to :meth:`save_for_backward`, inside backward."""
-        if self._saved_tensors is None:
-            raise RuntimeError(
-                "ctx.saved_tensors is only available inside the backward function; "
-                "call ctx.save_for_backward(...) in setup_context to save tensors."
-            )
-        return self._saved_tensors
 
     def __repr__(self) -> str:
         return f"BackwardContext(needs_input_grad={self.needs_input_grad})"
@@ -105,32 +110,10 @@ def run_jvp(
     saved = ctx.saved_for_forward
     if saved is None:
         saved = ctx.to_save
-    ctx._saved_tensors = saved if saved is not None else ()
+        _check_saveable("save_for_backward", saved or ())
+    ctx.saved_tensors = saved if saved is not None else ()
     try:
         return jvp_fn(ctx, *tangents)
     finally:
-        ctx._saved_tensors = None
+        vars(ctx).pop("saved_tensors", None)
         ctx.to_save = ctx.saved_for_forward = None
-
-
-def run_backward(
-    backward_fn: Any,
-    ctx: BackwardContext,
-    saved: tuple[Optional[torch.Tensor], ...],
-    grads: tuple[Any, ...],
-    num_kwarg_only: int,
-) -> tuple[Any, ...]:
-    """Calls the user's backward; the C++ node checks what it returns.
-
-    As torch.library allows, a backward may return one gradient per
-    positional input only (keyword-only inputs then get None).
-    """
-    ctx._saved_tensors = saved
-    try:
-        result = backward_fn(ctx, *grads)
-    finally:
-        ctx._saved_tensors = None
-    result = result if isinstance(result, tuple) else (result,)
-    if num_kwarg_only and len(result) == len(ctx.needs_input_grad) - num_kwarg_only:
-        result = result + (None,) * num_kwarg_only
-    return result
