@@ -11,8 +11,10 @@ Run: ``python -m pytest test/test_custom_op.py -q`` or ``python test/test_custom
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
+import typing
 from typing import Any, Callable, Optional
 
 import torch
@@ -776,8 +778,16 @@ class TestIntrospection(TestCase):
         # the names functools.wraps reads anyway.
         torch_op = torch.library.custom_op("tab_test::introspect_scale_torch", scale, mutates_args=())
         ours_only = set(op.__dict__) - set(torch_op.__dict__)
-        self.assertEqual(ours_only, {"_define", "_ab", "__name__", "__qualname__", "__doc__"})
+        self.assertEqual(
+            ours_only, {"_define", "_ab", "__name__", "__qualname__", "__doc__", "__annotations__"}
+        )
         self.assertEqual(torch.vmap(op)(torch.ones(3, 2)), 2 * torch.ones(3, 2))
+        # Every name functools.wraps reads is there: none costs an AttributeError
+        # per vmap(op) call; the wrapper carries the function's.
+        for name in functools.WRAPPER_ASSIGNMENTS:
+            self.assertTrue(hasattr(op, name), name)
+        self.assertEqual(torch.vmap(op).__annotations__, scale.__annotations__)
+        self.assertEqual(typing.get_type_hints(op), typing.get_type_hints(scale))
 
 
 class TestThreads(TestCase):

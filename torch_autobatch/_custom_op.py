@@ -176,6 +176,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         self.__name__ = self._name
         self.__qualname__ = self._name
         self.__doc__ = self._init_fn.__doc__
+        # functools.wraps(op), which vmap(op) runs on every call, reads
+        # __annotations__: missing, it cost an AttributeError raised and caught
+        # each time (0.7 us).
+        self.__annotations__ = self._init_fn.__annotations__
 
     # The op's function, for introspection (inspect.signature, inspect.unwrap,
     # help()); properties rather than instance attributes, which vmap(op)
