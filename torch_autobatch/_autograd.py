@@ -29,6 +29,8 @@ from torch.autograd.function import FunctionCtx
 # outside that window the class's non-data descriptor below answers with the
 # error. A property would cost a Python frame per read.
 class _OnlyInBackward:
+    """``ctx.saved_tensors``: what setup_context saved, readable inside the backward (and jvp) only."""
+
     def __get__(self, ctx: Any, owner: Any = None) -> Any:
         if ctx is None:
             return self
@@ -79,7 +81,7 @@ class BackwardContext(FunctionCtx):
         self.needs_input_grad = needs_input_grad
 
     # save_for_backward is torch's: the C++ node checks what it recorded
-    # (check_saveable in csrc/autograd.cpp), one Python frame less per call.
+    # (call_setup_context in csrc/autograd.cpp), one Python frame less per call.
 
     def save_for_forward(self, *tensors: Optional[torch.Tensor]) -> None:
         """Saves tensors (or None) for the jvp, where ``ctx.saved_tensors`` returns them.
