@@ -359,6 +359,24 @@ class TestCtxErrors(StateCheckMixin, TestCase):
             jvp(lambda x: op(x, 2.0), (_x(3),), (_x(3),))
         self.assertCleanState()
 
+    def test_saved_tensors_is_read_only(self):
+        # As for autograd.Function's ctx: assigning it is an error, never a
+        # value the backward silently does not see.
+        def setup_context(ctx, inputs, output):
+            ctx.saved_tensors = (inputs[0],)
+
+        op = _make_scale_op("err_assign_saved", lambda ctx, g: (g, None), setup_context)
+        with self.assertRaises(AttributeError) as cm:
+            op(_x(3, requires_grad=True), 2.0)
+        self.assertExpectedInline(
+            str(cm.exception),
+            """torch_autobatch: the setup_context of tab_test::err_assign_saved (TestCtxErrors.test_saved_tensors_is_read_only.<locals>.setup_context) assigned ctx.saved_tensors, which is read-only. Call ctx.save_for_backward(*tensors) instead.""",
+        )
+        self.assertCleanState()
+        with self.assertRaisesRegex(AttributeError, "assigned ctx.saved_tensors"):
+            grad(lambda x: op(x, 2.0).sum())(_x(3))
+        self.assertCleanState()
+
     def test_saved_tensors_only_during_backward(self):
         # NOTE [saved_tensors is an instance attribute]: set for the backward's
         # duration only, also when the backward raises.

@@ -456,14 +456,24 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             setup(ctx, positional, kwargs, output)
         else:
             setup(ctx, inputs, output)
-        if ctx.dirty_tensors:
-            self._reject_dirty(setup)
+        if ctx.dirty_tensors or "saved_tensors" in vars(ctx):
+            self._reject_ctx(setup, ctx)
 
-    def _reject_dirty(self, setup: Callable[..., Any]) -> None:
-        raise RuntimeError(
+    def _reject_ctx(self, setup: Callable[..., Any], ctx: BackwardContext) -> None:
+        """Raises for what setup_context did to ctx that torch.library's ctx does not allow."""
+        if ctx.dirty_tensors:
+            raise RuntimeError(
+                f"torch_autobatch: the setup_context of {self._qualname} "
+                f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
+                f"mutates no input (mutates_args=()). Return new tensors instead."
+            )
+        # autograd.Function's ctx.saved_tensors is read-only; ours is an
+        # instance attribute (NOTE [saved_tensors is an instance attribute]),
+        # so the assignment is refused here rather than silently replaced.
+        raise AttributeError(
             f"torch_autobatch: the setup_context of {self._qualname} "
-            f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
-            f"mutates no input (mutates_args=()). Return new tensors instead."
+            f"({_fn_name(setup)}) assigned ctx.saved_tensors, which is read-only. "
+            f"Call ctx.save_for_backward(*tensors) instead."
         )
 
     # NOTE [The per-call Python of a grad node]
@@ -484,8 +494,8 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 self._call_setup_context(setup, True, ctx, inputs, output)
             else:
                 setup(ctx, inputs, output)
-                if ctx.dirty_tensors:
-                    self._reject_dirty(setup)
+                if ctx.dirty_tensors or "saved_tensors" in vars(ctx):
+                    self._reject_ctx(setup, ctx)
         return ctx
 
     def _run_backward(
