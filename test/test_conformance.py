@@ -58,6 +58,19 @@ class TestConformance(TestCase):
         self.assertEqual(bad, [])
         self.assertTrue(any(r.status == "pass" for r in results), results)
 
+    def test_jacfwd_of_a_sparse_compressed_input_is_not_run(self) -> None:
+        # NOTE [jacfwd of a sparse compressed input] (conformance.py): torch's
+        # new_zeros of a CSR input validates uninitialised indices under this
+        # TestCase's sparse invariant checks, and crashed a CI run.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = conformance.check_op(OPS["sparse.mm.reduce"], 1)
+        jacfwd = [(r.status, r.detail) for r in results if r.transform == "jacfwd"]
+        self.assertEqual(
+            jacfwd,
+            [("skip", "sparse compressed input: jacfwd's basis (new_zeros) reads uninitialised indices")] * 2,
+        )
+
 
 instantiate_parametrized_tests(TestConformance)
 
