@@ -8,11 +8,7 @@ import threading
 import torch
 
 import torch_autobatch
-
-try:  # exported from the package once torch_autobatch/__init__.py lists it
-    from torch_autobatch import current_trace, trace
-except ImportError:  # pragma: no cover - before that
-    from torch_autobatch._tracer import current_trace, trace
+from torch_autobatch import current_trace, trace
 
 
 @torch_autobatch.custom_op("trace_demo::softclip", mutates_args=())
