@@ -3,79 +3,23 @@
 // Each operator made by torch_autobatch.custom_op owns one OpState. The
 // kernels we register for it (Autograd, FuncTorchBatched) and every
 // grad node they create hold a shared_ptr to it, so a node outlives the kernel
-// registration that made it.
+// registration that made it; the registration itself lives no longer than
+// the op's definition (NOTE [Kernels die with their op], registration.cpp).
 #pragma once
 
-#include <Python.h>
+#include "python_interop.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include <atomic>
-#include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace torch_autobatch {
-
-namespace py = pybind11;
-
-// An owning reference to a Python object that can be dropped on any thread:
-// the autograd engine frees grad nodes on its worker threads, without the GIL.
-class PyRef {
- public:
-  PyRef() = default;
-  explicit PyRef(py::object obj) : obj_(obj.release().ptr()) {}
-  PyRef(const PyRef&) = delete;
-  PyRef& operator=(const PyRef&) = delete;
-  PyRef(PyRef&& other) noexcept : obj_(other.obj_) {
-    other.obj_ = nullptr;
-  }
-  PyRef& operator=(PyRef&& other) noexcept {
-    if (this != &other) {
-      reset();
-      obj_ = other.obj_;
-      other.obj_ = nullptr;
-    }
-    return *this;
-  }
-  ~PyRef() {
-    reset();
-  }
-
-  // Requires the GIL.
-  py::handle get() const {
-    return obj_;
-  }
-  explicit operator bool() const {
-    return obj_ != nullptr;
-  }
-  void reset();
-
- private:
-  PyObject* obj_ = nullptr;
-};
-
-// NOTE [Interned attribute names]
-// Attribute names our kernels look up on every call, interned once (under the
-// GIL, on first use) and never freed, like CPython's own identifiers: a
-// lookup then builds no str object. The attributes themselves always exist
-// (BackwardContext's class defaults, _autograd.py): a failed lookup would
-// build and drop an AttributeError per call.
-struct PyNames {
-  PyObject* setup_autograd;
-  PyObject* run_backward;
-  PyObject* to_save;
-  PyObject* non_differentiable;
-  PyObject* materialize_grads;
-};
-// Requires the GIL.
-const PyNames& py_names();
-// self.<name>(*args), one vectorcall (no argument tuple). Requires the GIL.
-py::object call_method(py::handle self, PyObject* name, std::initializer_list<py::handle> args);
 
 // How the batched kernel computes an op's outputs under vmap.
 enum class VmapMode : int {
@@ -89,9 +33,11 @@ struct OpState {
   std::string qualname; // "mylib::softclip"
   std::string node_name; // "GeneratedBackwardFor_mylib_softclip"
   std::vector<std::string> arg_names; // from the schema, for error messages
-  // The torch_autobatch.CustomOpDef. Its private methods are the Python half
-  // of each kernel: _setup_autograd (forward) and _run_backward (backward).
-  PyRef opdef;
+  // A weak reference to the torch_autobatch.CustomOpDef, whose private
+  // methods are the Python half of each kernel (NOTE [The Python side of the
+  // kernels]); weak, so that the op object holding our registration can be
+  // collected (NOTE [Kernels die with their op]).
+  PyRef opdef_weakref;
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
   // Its function needs an AD level to decompose some CompositeImplicit op:
@@ -100,7 +46,28 @@ struct OpState {
   // The schema declares no aliasing and no mutation: run_backend may call the
   // op's function itself (NOTE [Calling the composite directly]).
   bool functional_schema = false;
+  // The definition our kernels were registered for still exists; cleared by
+  // the dispatcher listener (registration.cpp).
+  std::atomic<bool> defined{true};
+
+  // The CustomOpDef; raises a clear error if it is gone. Requires the GIL.
+  py::object opdef() const;
+
+  // Our kernels' registration, dropped by deregister() (idempotent).
+  std::mutex lib_mutex;
+  std::unique_ptr<torch::Library> lib;
+  void deregister();
 };
+
+// A kernel of ours that finds its op's definition gone (`!state.defined`):
+// deregisters our kernels and redispatches `ks` to what the dispatcher has
+// without them (NOTE [Kernels die with their op]).
+void redispatch_without_us(
+    OpState& state,
+    c10::OperatorKernel* kernel,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet ks,
+    torch::jit::Stack* stack);
 
 // The functorch Grad or Jvp level whose Autograd kernel is sending the op
 // being dispatched down to the levels below it, or 0; thread-local, set for
@@ -138,6 +105,9 @@ std::vector<Slot> flatten_tensors(
     c10::ArrayRef<c10::IValue> values,
     std::vector<at::Tensor>& tensors);
 
+// Does a Tensor (or any tensor of a Tensor[]) argument require grad?
+bool any_requires_grad(const c10::IValue& v);
+
 // One vmap level that a grad node re-enters in backward: where the batch
 // dimension sits in each input, output and saved tensor of the node's level.
 struct VmapFrame {
@@ -152,6 +122,7 @@ struct VmapFrame {
 // `returns`): passed to ctx.mark_non_differentiable. Requires the GIL.
 py::object call_setup_context(
     const OpState& state,
+    const c10::FunctionSchema& schema,
     c10::ArrayRef<c10::IValue> args,
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<at::Tensor>& outputs,
@@ -198,9 +169,5 @@ void init_composite_call();
 // batched.cpp (the FuncTorchBatched key).
 torch::CppFunction autograd_kernel(const std::shared_ptr<OpState>& state);
 torch::CppFunction batched_kernel(const std::shared_ptr<OpState>& state);
-
-// Converts a pending Python exception into the C++ exception that torch's
-// bindings and autograd engine re-raise unchanged in Python.
-[[noreturn]] void rethrow_python_error(py::error_already_set& e);
 
 } // namespace torch_autobatch

@@ -19,13 +19,12 @@
 // user's backward runs batched too, then unbatches and reduces the gradients
 // of inputs that were not batched.
 #include "autobatch.h"
+#include "forward_mode.h"
 #include "functorch.h"
 #include "grad_node.h"
 
-#include <torch/csrc/autograd/functions/utils.h>
-
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 namespace torch_autobatch {
@@ -106,6 +105,10 @@ class BatchedKernel final : public c10::OperatorKernel {
       const c10::OperatorHandle& op,
       c10::DispatchKeySet ks,
       torch::jit::Stack* stack) {
+    if (!state_->defined.load(std::memory_order_relaxed)) {
+      redispatch_without_us(*state_, this, op, ks, stack);
+      return;
+    }
     const auto layer = at::functorch::maybeCurrentDynamicLayer();
     TORCH_INTERNAL_ASSERT(layer.has_value() && layer->key() == TransformType::Vmap);
     const int64_t level = layer->layerId();
@@ -158,7 +161,7 @@ class BatchedKernel final : public c10::OperatorKernel {
     auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
     check_no_aliasing(*state_, schema, inputs, outputs);
     attach_grad_nodes(
-        grad_mode, std::move(arg_slots), std::move(ret_slots), saved_args,
+        schema, grad_mode, std::move(arg_slots), std::move(ret_slots), saved_args,
         torch::jit::last(*stack, num_returns), inputs, outputs);
   }
 
@@ -254,16 +257,15 @@ class BatchedKernel final : public c10::OperatorKernel {
   }
 
   // Turns functorch's "cannot batch this" into our error naming the op and
-  // the ways out; any other exception (the user's own) goes on unchanged.
+  // the ways out; any other exception goes on unchanged. torch's and
+  // functorch's errors reach Python as exactly RuntimeError (or
+  // NotImplementedError); a user's own exception class, even one derived
+  // from them, is the user's: its type and message stay as raised.
   [[noreturn]] void handle_composite_error(python_error& e, bool may_retry) const {
     e.persist();
-    bool is_runtime_error = false;
-    {
-      py::gil_scoped_acquire gil;
-      is_runtime_error = e.type != nullptr &&
-          PyErr_GivenExceptionMatches(e.type, PyExc_RuntimeError);
-    }
-    if (!is_runtime_error || !looks_like_batching_failure(e.what())) {
+    const bool is_torch_error =
+        e.type == PyExc_RuntimeError || e.type == PyExc_NotImplementedError;
+    if (!is_torch_error || !looks_like_batching_failure(e.what())) {
       throw std::move(e);
     }
     fail_unbatchable(e.what(), may_retry);
@@ -300,10 +302,17 @@ class BatchedKernel final : public c10::OperatorKernel {
       const c10::OperatorHandle& op,
       const DynamicLayer& layer,
       torch::jit::Stack* stack) const;
+  void run_loop_empty(
+      const c10::OperatorHandle& op,
+      const std::vector<c10::IValue>& args,
+      const std::vector<bool>& is_batched,
+      int64_t level,
+      torch::jit::Stack* stack) const;
 
   static bool nothing_to_attach(bool grad_mode, const std::vector<at::Tensor>& inputs);
 
   void attach_grad_nodes(
+      const c10::FunctionSchema& schema,
       bool grad_mode,
       std::vector<Slot> arg_slots,
       std::vector<Slot> ret_slots,
@@ -312,143 +321,8 @@ class BatchedKernel final : public c10::OperatorKernel {
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& outputs) const;
 
-  void set_custom_tangents(
-      int64_t level,
-      const std::vector<at::Tensor>& in,
-      const std::vector<at::Tensor>& out,
-      const std::vector<VmapFrame>& frames_inner_first,
-      const std::vector<c10::IValue>& args,
-      const std::vector<Slot>& arg_slots) const;
-
   std::shared_ptr<OpState> state_;
 };
-
-// NOTE [Forward mode under vmap]: at a Jvp level below vmap, the registered
-// jvp runs like a grad node's backward: on this level's primals and tangents,
-// re-entering the vmap levels above so it sees each example's shapes.
-void BatchedKernel::set_custom_tangents(
-    int64_t level,
-    const std::vector<at::Tensor>& in,
-    const std::vector<at::Tensor>& out,
-    const std::vector<VmapFrame>& frames_inner_first,
-    const std::vector<c10::IValue>& args,
-    const std::vector<Slot>& arg_slots) const {
-  std::vector<at::Tensor> primals(in.size());
-  std::vector<at::Tensor> tangents(in.size());
-  bool any = false;
-  for (size_t k = 0; k < in.size(); ++k) {
-    primals[k] = in[k];
-    if (in[k].defined() && functorch::is_wrapped_at(in[k], level) &&
-        torch::autograd::isFwGradDefined(in[k])) {
-      tangents[k] = in[k]._fw_grad(0);
-      primals[k] = in[k]._fw_primal(0);
-      any = true;
-    }
-  }
-  if (!any) {
-    return;
-  }
-  std::vector<at::Tensor> outs = out;
-
-  functorch::LowerToLevel lowered(level);
-  std::vector<std::unique_ptr<functorch::VmapLevelGuard>> levels;
-  for (size_t j = frames_inner_first.size(); j-- > 0;) {
-    const VmapFrame& f = frames_inner_first[j];
-    levels.push_back(std::make_unique<functorch::VmapLevelGuard>(
-        f.batch_size, static_cast<RandomnessType>(f.randomness)));
-    const int64_t lvl = levels.back()->level();
-    for (size_t k = 0; k < in.size(); ++k) {
-      if (primals[k].defined()) {
-        primals[k] = at::functorch::makeBatched(primals[k], f.in_bdims[k], lvl);
-      }
-      if (tangents[k].defined()) {
-        tangents[k] = at::functorch::makeBatched(tangents[k], f.in_bdims[k], lvl);
-      }
-    }
-    for (size_t k = 0; k < out.size(); ++k) {
-      if (outs[k].defined()) {
-        outs[k] = at::functorch::makeBatched(outs[k], f.out_bdims[k], lvl);
-      }
-    }
-  }
-
-  std::vector<at::Tensor> out_tangents(out.size());
-  {
-    py::gil_scoped_acquire gil;
-    try {
-      auto wrap = [](const at::Tensor& t) {
-        return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
-      };
-      auto rebuild = [&](const std::vector<at::Tensor>& flat, bool as_tangent) {
-        py::tuple res(args.size());
-        for (size_t a = 0; a < args.size(); ++a) {
-          const Slot& s = arg_slots[a];
-          if (s.is_list) {
-            py::list l;
-            for (size_t k = s.first; k < s.first + s.count; ++k) {
-              l.append(wrap(flat[k]));
-            }
-            res[a] = l;
-          } else if (s.count == 1) {
-            res[a] = wrap(flat[s.first]);
-          } else {
-            res[a] = as_tangent ? py::none() : torch::jit::toPyObject(args[a]);
-          }
-        }
-        return res;
-      };
-      py::tuple py_outs(outs.size());
-      for (size_t k = 0; k < outs.size(); ++k) {
-        py_outs[k] = wrap(outs[k]);
-      }
-      py::tuple needs(args.size());
-      for (size_t a = 0; a < args.size(); ++a) {
-        needs[a] = py::bool_(false);
-      }
-      py::tuple result = state_->opdef.get().attr("_run_jvp")(
-          rebuild(primals, false), py_outs, rebuild(tangents, true), needs);
-      // Flatten the tangents like the outputs (one per tensor output).
-      size_t k = 0;
-      for (py::handle r : result) {
-        if (py::isinstance<py::list>(r)) {
-          for (py::handle t : r) {
-            out_tangents[k++] = t.is_none() ? at::Tensor() : THPVariable_Unpack(t.ptr());
-          }
-        } else if (k < out_tangents.size()) {
-          out_tangents[k++] = r.is_none() ? at::Tensor() : THPVariable_Unpack(r.ptr());
-        }
-      }
-    } catch (py::error_already_set& e) {
-      rethrow_python_error(e);
-    }
-  }
-  for (size_t n = 0; n < frames_inner_first.size(); ++n) {
-    const VmapFrame& f = frames_inner_first[n];
-    const int64_t lvl = levels.back()->level();
-    std::vector<std::optional<int64_t>> have(out_tangents.size());
-    for (size_t k = 0; k < out_tangents.size(); ++k) {
-      if (out_tangents[k].defined()) {
-        std::tie(out_tangents[k], have[k]) =
-            at::functorch::unwrapTensorAtLevel(out_tangents[k], lvl);
-      }
-    }
-    levels.back()->pop();
-    levels.pop_back();
-    for (size_t k = 0; k < out_tangents.size(); ++k) {
-      if (out_tangents[k].defined()) {
-        out_tangents[k] = functorch::match_bdim(
-            out_tangents[k], have[k], f.out_bdims[k], f.batch_size);
-      }
-    }
-  }
-  for (size_t k = 0; k < out.size(); ++k) {
-    if (out_tangents[k].defined() && out[k].defined() &&
-        functorch::is_wrapped_at(out[k], level) &&
-        torch::autograd::isDifferentiableType(out[k].scalar_type())) {
-      out[k]._set_fw_grad(out_tangents[k], /*level=*/0, /*is_inplace_op=*/false);
-    }
-  }
-}
 
 // The common case of the walk below, without its copies: only vmap levels
 // (no Grad or Jvp level to attach at), and at the base grad mode is off or no
@@ -474,6 +348,7 @@ bool BatchedKernel::nothing_to_attach(bool grad_mode, const std::vector<at::Tens
 }
 
 void BatchedKernel::attach_grad_nodes(
+    const c10::FunctionSchema& schema,
     bool grad_mode,
     std::vector<Slot> arg_slots,
     std::vector<Slot> ret_slots,
@@ -551,7 +426,8 @@ void BatchedKernel::attach_grad_nodes(
       }
       case TransformType::Jvp:
         if (state_->has_jvp.load()) {
-          set_custom_tangents(id, in, out, frames, args, arg_slots);
+          set_jvp_tangents_below_vmap(
+              *state_, schema, id, in, out, frames, args, arg_slots, returns, ret_slots);
         }
         unwrap_wrapper_level(in, layer);
         unwrap_wrapper_level(out, layer);
@@ -592,7 +468,7 @@ void BatchedKernel::attach_grad_nodes(
   {
     functorch::AsPlainCaller plain;
     ctx = call_setup_context(
-        *state_, args, returns, outputs, needs_arg, saved, non_differentiable);
+        *state_, schema, args, returns, outputs, needs_arg, saved, non_differentiable);
   }
 
   // 3. The same walk for the saved tensors: each node saves them as seen at
@@ -637,12 +513,8 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
     // is user Python: a torch.func call in it needs the caller's state (NOTE
     // [User Python sees a plain caller's state]).
     functorch::AsPlainCaller plain;
-    py::tuple py_args(num_args);
-    auto args = torch::jit::last(*stack, num_args);
-    for (size_t a = 0; a < num_args; ++a) {
-      py_args[a] = torch::jit::toPyObject(args[a]);
-    }
-    py::tuple outs = state_->opdef.get().attr("_run_vmap_rule")(py_args);
+    const py::tuple py_args = to_py_tuple(torch::jit::last(*stack, num_args), schema.arguments());
+    py::tuple outs = call_method(state_->opdef(), py_names().run_vmap_rule, {py_args});
     torch::jit::drop(*stack, num_args);
     for (size_t r = 0; r < num_returns; ++r) {
       torch::jit::push(*stack, torch::jit::toIValue(outs[r], schema.returns()[r].type()));
@@ -682,6 +554,10 @@ void BatchedKernel::run_loop(
   }
   std::vector<std::vector<at::Tensor>> results(num_returns);
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  if (batch_size == 0) {
+    run_loop_empty(op, args, is_batched, level, stack);
+    return;
+  }
   for (int64_t b = 0; b < batch_size; ++b) {
     torch::jit::Stack call;
     for (size_t a = 0; a < num_args; ++a) {
@@ -702,6 +578,67 @@ void BatchedKernel::run_loop(
   }
   for (size_t r = 0; r < num_returns; ++r) {
     torch::jit::push(*stack, at::functorch::makeBatched(at::stack(results[r]), 0, level));
+  }
+}
+
+// A batch of no examples: the outputs have the shapes one example would
+// give, with a batch dimension of 0, as for a plain function. Those shapes
+// come from the op's fake kernel (register_fake, or the function itself) on
+// meta tensors of one example's shape: no example is run.
+void BatchedKernel::run_loop_empty(
+    const c10::OperatorHandle& op,
+    const std::vector<c10::IValue>& args,
+    const std::vector<bool>& is_batched,
+    int64_t level,
+    torch::jit::Stack* stack) const {
+  const size_t num_returns = op.schema().returns().size();
+  torch::jit::Stack call;
+  std::optional<c10::TensorOptions> options;
+  for (size_t a = 0; a < args.size(); ++a) {
+    if (!args[a].isTensor()) {
+      call.push_back(args[a]);
+      continue;
+    }
+    const at::Tensor& t = args[a].toTensor();
+    if (!options && t.defined()) {
+      options = t.options();
+    }
+    const auto sizes = is_batched[a] ? t.sym_sizes().slice(1) : t.sym_sizes();
+    call.push_back(at::empty_symint(sizes, t.options().device(c10::kMeta)));
+  }
+  try {
+    op.callBoxed(call);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false,
+        "torch_autobatch: vmap=\"loop\" of ",
+        state_->qualname,
+        " over a batch of size 0 needs the shapes of one example's outputs, "
+        "which come from the op's fake kernel on meta tensors; that failed: ",
+        e.what_without_backtrace(),
+        "\nRegister a fake kernel with ",
+        state_->qualname.substr(state_->qualname.find("::") + 2),
+        ".register_fake(fn) that returns empty tensors of the output shapes.");
+  }
+  for (size_t r = 0; r < num_returns; ++r) {
+    TORCH_CHECK(
+        call[r].isTensor(),
+        "torch_autobatch: vmap=\"loop\" of ",
+        state_->qualname,
+        " supports tensor outputs only; output ",
+        r,
+        " is a ",
+        call[r].tagKind());
+    const at::Tensor& meta = call[r].toTensor();
+    std::vector<c10::SymInt> sizes{c10::SymInt(0)};
+    for (const auto& d : meta.sym_sizes()) {
+      sizes.push_back(d);
+    }
+    const auto device = options ? options->device() : c10::Device(c10::kCPU);
+    torch::jit::push(
+        *stack,
+        at::functorch::makeBatched(
+            at::empty_symint(sizes, meta.options().device(device)), 0, level));
   }
 }
 

@@ -43,7 +43,6 @@ namespace {
 // the GIL.
 PyObject* g_get_eval_frame_callback = nullptr; // torch._C._dynamo.eval_frame
 PyObject* g_torch_compiler = nullptr; // torch.compiler (_is_exporting_flag)
-PyObject* g_backend_fns = nullptr; // "_backend_fns"
 PyObject* g_wrapped = nullptr; // "__wrapped__"
 PyObject* g_name = nullptr; // "__name__"
 PyObject* g_wrapped_fn = nullptr; // "wrapped_fn"
@@ -101,7 +100,7 @@ bool composite_serves(const c10::OperatorHandle& op, c10::DispatchKeySet ks) {
 // The Python function that CustomOpDef's CompositeExplicitAutograd kernel
 // would call, or None when the op has no such kernel. Requires the GIL.
 py::object direct_function(const OpState& state) {
-  PyObject* fns = PyObject_GetAttr(state.opdef.get().ptr(), g_backend_fns);
+  PyObject* fns = PyObject_GetAttr(state.opdef().ptr(), py_names().backend_fns);
   if (fns == nullptr) {
     PyErr_Clear();
     return py::none();
@@ -198,7 +197,8 @@ void call_on_stack(
   c10::SmallVector<py::object, 8> owned(num_args);
   c10::SmallVector<PyObject*, 9> argv(num_args + 1, nullptr);
   for (size_t a = 0; a < num_args; ++a) {
-    owned[a] = torch::jit::toPyObject(args[a]);
+    // NOTE [Op values reach Python by their schema type]
+    owned[a] = to_py(args[a], *arguments[a].real_type());
     argv[a + 1] = owned[a].ptr();
   }
   py::object kwnames;
@@ -242,7 +242,6 @@ bool has_functional_schema(const c10::FunctionSchema& schema) {
 }
 
 void init_composite_call() {
-  g_backend_fns = PyUnicode_InternFromString("_backend_fns");
   g_wrapped = PyUnicode_InternFromString("__wrapped__");
   g_name = PyUnicode_InternFromString("__name__");
   g_wrapped_fn = PyUnicode_InternFromString("wrapped_fn");

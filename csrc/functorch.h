@@ -226,30 +226,35 @@ class GradLevelGuard {
   int64_t level_;
 };
 
-// Pushes a vmap level for the lifetime of the guard (exception-safe).
-class VmapLevelGuard {
+// The vmap levels a grad node's backward (or a jvp below vmap) re-enters,
+// pushed outermost first and popped innermost first; what is still pushed
+// when the guard dies is popped then (every exit path).
+class ReenteredVmapLevels {
  public:
-  VmapLevelGuard(const c10::SymInt& batch_size, RandomnessType randomness)
-      : level_(at::functorch::initAndPushDynamicLayer(
-            TransformType::Vmap, batch_size, randomness)) {}
-  VmapLevelGuard(const VmapLevelGuard&) = delete;
-  VmapLevelGuard& operator=(const VmapLevelGuard&) = delete;
-  ~VmapLevelGuard() {
-    if (active_) {
-      at::functorch::popDynamicLayerAndDeleteMetadata();
+  ReenteredVmapLevels() = default;
+  ReenteredVmapLevels(const ReenteredVmapLevels&) = delete;
+  ReenteredVmapLevels& operator=(const ReenteredVmapLevels&) = delete;
+  ~ReenteredVmapLevels() {
+    while (!levels_.empty()) {
+      pop();
     }
   }
-  int64_t level() const {
-    return level_;
+  // Pushes a level inside the others; returns its id.
+  int64_t push(const c10::SymInt& batch_size, int64_t randomness) {
+    levels_.push_back(at::functorch::initAndPushDynamicLayer(
+        TransformType::Vmap, batch_size, static_cast<RandomnessType>(randomness)));
+    return levels_.back();
+  }
+  int64_t innermost() const {
+    return levels_.back();
   }
   void pop() {
-    active_ = false;
+    levels_.pop_back();
     at::functorch::popDynamicLayerAndDeleteMetadata();
   }
 
  private:
-  int64_t level_;
-  bool active_ = true;
+  std::vector<int64_t> levels_;
 };
 
 } // namespace torch_autobatch::functorch

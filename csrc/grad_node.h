@@ -67,7 +67,23 @@ class CustomOpNode final : public torch::autograd::Node {
   std::vector<at::Tensor> outputs_for_saving_; // cleared by save()
   std::vector<torch::autograd::SavedVariable> saved_;
   PyRef ctx_;
+  PyRef opdef_; // the CustomOpDef, strongly: set by save()
   bool released_ = false;
 };
+
+// ctx.saved_tensors == saved for the scope's lifetime, on this thread only:
+// NOTE [Saved tensors belong to the call] (grad_node.cpp). Requires the GIL
+// (at construction and destruction); scopes nest.
+class SavedTensorsScope {
+ public:
+  SavedTensorsScope(py::handle ctx, py::handle saved);
+  SavedTensorsScope(const SavedTensorsScope&) = delete;
+  SavedTensorsScope& operator=(const SavedTensorsScope&) = delete;
+  ~SavedTensorsScope();
+};
+
+// Adds _C._SavedTensors (the type of BackwardContext.saved_tensors) and
+// _C._call_with_saved_tensors.
+void bind_saved_tensors(py::module_& m);
 
 } // namespace torch_autobatch

@@ -2,60 +2,27 @@
 // torch_autobatch.custom_op has defined. Python stays the thin, typed layer;
 // this module holds no Python-visible state but the registrations.
 #include "autobatch.h"
+#include "grad_node.h"
 #include "tracer.h"
 
 namespace torch_autobatch {
+
+std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opdef);
+
 namespace {
 
-// Keeps an operator's C++ kernels registered while it lives; dropping it
-// deregisters them (grad nodes already made keep their OpState).
+// Python's handle on an operator's C++ kernels: keeps them registered until
+// it is dropped or destroy() is called (NOTE [Kernels die with their op],
+// registration.cpp); grad nodes already made keep their OpState.
 struct Registration {
-  std::shared_ptr<OpState> state;
-  std::unique_ptr<torch::Library> lib;
-};
-
-std::unique_ptr<Registration> register_op(
-    const std::string& qualname,
-    py::object opdef) {
-  const auto sep = qualname.find("::");
-  TORCH_CHECK(
-      sep != std::string::npos,
-      "torch_autobatch: expected a qualified name 'namespace::name', got '",
-      qualname,
-      "'");
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
-  auto state = std::make_shared<OpState>();
-  state->qualname = qualname;
-  state->node_name = "GeneratedBackwardFor_" + qualname.substr(0, sep) + "_" +
-      qualname.substr(sep + 2);
-  for (const auto& arg : op.schema().arguments()) {
-    state->arg_names.push_back(arg.name());
+  explicit Registration(std::shared_ptr<OpState> s) : state(std::move(s)) {}
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+  ~Registration() {
+    state->deregister();
   }
-  state->opdef = PyRef(std::move(opdef));
-  state->functional_schema = has_functional_schema(op.schema());
-
-  // NOTE [Upgrading an existing op] (torch_autobatch/_upgrade.py): an op
-  // that torch.library.custom_op made has Python kernels at these keys; ours
-  // replace them while this registration lives (the dispatcher restores
-  // theirs when it is dropped). Replacing them is the point, so the
-  // dispatcher's "Overriding a previously registered kernel" warning is not
-  // shown.
-  struct Silent final : c10::WarningHandler {
-    void process(const c10::Warning&) override {}
-  } silent;
-  c10::WarningUtils::WarningHandlerGuard quiet(&silent);
-  auto reg = std::make_unique<Registration>();
-  reg->state = state;
-  reg->lib = std::make_unique<torch::Library>(
-      torch::Library::IMPL, qualname.substr(0, sep), std::nullopt, __FILE__, __LINE__);
-  const auto name = qualname.substr(sep + 2);
-  reg->lib->impl(
-      name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, autograd_kernel(state)));
-  reg->lib->impl(
-      name.c_str(),
-      torch::dispatch(c10::DispatchKey::FuncTorchBatched, batched_kernel(state)));
-  return reg;
-}
+  const std::shared_ptr<OpState> state;
+};
 
 } // namespace
 } // namespace torch_autobatch
@@ -78,12 +45,22 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set_has_jvp",
           [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },
-          "Whether the op has a registered jvp (register_jvp).");
+          "Whether the op has a registered jvp (register_jvp).")
+      .def(
+          "destroy",
+          [](tab::Registration& r) { r.state->deregister(); },
+          "Deregisters the kernels now (idempotent).")
+      .def_property_readonly(
+          "registered",
+          [](const tab::Registration& r) {
+            std::lock_guard<std::mutex> guard(r.state->lib_mutex);
+            return r.state->lib != nullptr;
+          });
   m.def(
       "_register_op",
       [](const std::string& qualname, py::object opdef) {
         try {
-          return tab::register_op(qualname, std::move(opdef));
+          return std::make_unique<tab::Registration>(tab::register_op(qualname, opdef));
         } catch (const c10::Error& e) {
           throw std::runtime_error(e.what_without_backtrace());
         }
@@ -93,5 +70,20 @@ PYBIND11_MODULE(_C, m) {
       "Registers torch_autobatch's C++ kernels (Autograd) for the operator "
       "`qualname`, calling back into `opdef`. Returns a handle that keeps them "
       "registered.");
+  m.def(
+      "_python_side_names",
+      [] {
+        const auto& n = tab::py_names();
+        py::list out;
+        for (PyObject* name : {n.setup_autograd, n.run_backward, n.run_jvp,
+                               n.composite_tangents, n.run_vmap_rule, n.check_aliasing,
+                               n.backward_fn_name, n.jvp_fn_name, n.backend_fns}) {
+          out.append(py::handle(name));
+        }
+        return out;
+      },
+      "The CustomOpDef attributes the kernels look up (NOTE [The Python side of "
+      "the kernels]).");
+  tab::bind_saved_tensors(m);
   tab::bind_tracer(m);
 }

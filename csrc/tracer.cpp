@@ -22,6 +22,9 @@
 //     if any.
 #include "tracer.h"
 
+#include "functorch.h"
+#include "python_interop.h"
+
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -29,7 +32,6 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/flat_hash_map.h>
@@ -261,8 +263,16 @@ void ensure_callback(ThreadState& s);
 
 const NodeHook* traced_hook(const Node& n);
 
-// The Python number the arg parser wrapped in a 0-dim tensor.
-c10::IValue wrapped_number(const at::Tensor& t) {
+// The Python number the arg parser wrapped in a 0-dim tensor. Under a
+// torch.func transform the number may reach the op wrapped again (a
+// TensorWrapper of a grad level: no storage of its own); its value is the
+// wrapped tensor's. One that still has no readable storage (a fake tensor)
+// is listed as a tensor.
+c10::IValue wrapped_number(const at::Tensor& wrapped) {
+  const at::Tensor t = wrapped.has_storage() ? wrapped : functorch::innermost(wrapped);
+  if (!t.has_storage() || !t.is_cpu() || t.numel() != 1) {
+    return wrapped;
+  }
   switch (t.scalar_type()) {
     case c10::ScalarType::Double:
       return *t.const_data_ptr<double>();
@@ -273,7 +283,7 @@ c10::IValue wrapped_number(const at::Tensor& t) {
     case c10::ScalarType::ComplexDouble:
       return *t.const_data_ptr<c10::complex<double>>();
     default:
-      return t;
+      return wrapped;
   }
 }
 
@@ -812,9 +822,12 @@ void end_op(ThreadState& s, TraceImpl& trace, const std::vector<c10::IValue>& ou
 // An observer must not throw into the op it observes: a failure to record
 // is said, never silent.
 void warn_unrecorded(const at::RecordFunction& fn, const std::exception& e) {
+  // One line: torch's own errors without their C++ backtrace.
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
   TORCH_WARN(
       "torch_autobatch.trace: could not record ", fn.name(),
-      "; the trace lacks this op and will not replay it right. Cause: ", e.what());
+      "; the trace lacks this op and will not replay it right. Cause: ",
+      c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
@@ -924,29 +937,10 @@ py::object opt_index(int32_t i) {
   return i < 0 ? py::object(py::none()) : py::object(py::int_(i));
 }
 
-// An argument as Python sees it: ScalarType, Layout and MemoryFormat are
-// ints in an IValue (as in torch's own Python dispatch).
-py::object to_py(const c10::IValue& iv, const c10::Argument* arg) {
-  if (arg != nullptr && iv.isInt()) {
-    auto type = arg->real_type();
-    if (const auto opt = type->cast<c10::OptionalType>()) {
-      type = opt->getElementType();
-    }
-    switch (type->kind()) {
-      case c10::TypeKind::ScalarTypeType:
-        return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
-            torch::getTHPDtype(static_cast<c10::ScalarType>(iv.toInt()))));
-      case c10::TypeKind::LayoutType:
-        return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
-            torch::getTHPLayout(static_cast<c10::Layout>(iv.toInt()))));
-      case c10::TypeKind::MemoryFormatType:
-        return py::reinterpret_borrow<py::object>(
-            torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(iv.toInt())));
-      default:
-        break;
-    }
-  }
-  return torch::jit::toPyObject(iv);
+// An argument (or return) as the op's function sees it: NOTE [Op values
+// reach Python by their schema type] (python_interop.h).
+py::object arg_to_py(const c10::IValue& iv, const c10::Argument* arg) {
+  return arg == nullptr ? torch::jit::toPyObject(iv) : to_py(iv, *arg->real_type());
 }
 
 } // namespace
@@ -1038,21 +1032,26 @@ void bind_tracer(py::module_& m) {
             for (const auto& e : entries) {
               py::list args, outs;
               const auto* schema = e.op == nullptr ? nullptr : e.op->schema;
+              auto typed = [&](bool out, size_t i) -> const c10::Argument* {
+                if (schema == nullptr) {
+                  return nullptr;
+                }
+                const auto& list = out ? schema->returns() : schema->arguments();
+                return i < list.size() ? &list[i] : nullptr;
+              };
               for (const auto i : c10::irange(e.args.size())) {
-                const bool typed = schema != nullptr && i < schema->arguments().size();
-                args.append(to_py(e.args[i], typed ? &schema->arguments()[i] : nullptr));
+                args.append(arg_to_py(e.args[i], typed(false, i)));
               }
               for (const auto i : c10::irange(e.outs.size())) {
-                const bool typed = schema != nullptr && i < schema->returns().size();
-                outs.append(to_py(e.outs[i], typed ? &schema->returns()[i] : nullptr));
+                outs.append(arg_to_py(e.outs[i], typed(true, i)));
               }
               for (const auto& r : e.refs) {
-                if (r.value < 0) { // an int list in the pool
-                  py::list list;
+                if (r.value < 0) { // an int list in the pool (a ScalarType[] too)
+                  c10::List<int64_t> list;
                   for (auto k = r.elem; k < r.elem - 1 - r.value; ++k) {
-                    list.append(ints[k]);
+                    list.push_back(ints[k]);
                   }
-                  (r.out ? outs : args)[r.pos] = list;
+                  (r.out ? outs : args)[r.pos] = arg_to_py(list, typed(r.out, r.pos));
                 }
               }
               py::list refs;

@@ -1,6 +1,6 @@
 """The ctx object that setup_context, backward and jvp receive.
 
-The grad node itself is C++ (``csrc/autograd.cpp``): it turns what
+The grad node itself is C++ (``csrc/grad_node.cpp``): it turns what
 ``save_for_backward`` collected into ``SavedVariable`` s, so saving an output
 makes no reference cycle, and it hands them back through ``saved_tensors``.
 
@@ -22,22 +22,7 @@ from typing import Any, Optional
 import torch
 from torch.autograd.function import FunctionCtx
 
-
-# NOTE [saved_tensors is an instance attribute]
-# The backward reads ctx.saved_tensors once per call. It is a plain instance
-# attribute, set for the duration of the backward (or jvp) and deleted after;
-# outside that window the class's non-data descriptor below answers with the
-# error. A property would cost a Python frame per read.
-class _OnlyInBackward:
-    """``ctx.saved_tensors``: what setup_context saved, readable inside the backward (and jvp) only."""
-
-    def __get__(self, ctx: Any, owner: Any = None) -> Any:
-        if ctx is None:
-            return self
-        raise RuntimeError(
-            "ctx.saved_tensors is only available inside the backward function; "
-            "call ctx.save_for_backward(...) in setup_context to save tensors."
-        )
+from . import _C
 
 
 class BackwardContext(FunctionCtx):
@@ -72,9 +57,10 @@ class BackwardContext(FunctionCtx):
     non_differentiable: Optional[tuple[torch.Tensor, ...]] = None
     dirty_tensors: Optional[tuple[torch.Tensor, ...]] = None
     materialize_grads: bool = True
-    #: The tensors given to :meth:`save_for_backward`, inside backward
-    #: (NOTE [saved_tensors is an instance attribute]).
-    saved_tensors: tuple[Optional[torch.Tensor], ...] = _OnlyInBackward()  # type: ignore[assignment]
+    #: The tensors given to :meth:`save_for_backward`, readable inside the
+    #: backward (and jvp) call only, read-only: each call's own, on its own
+    #: thread (NOTE [Saved tensors belong to the call] in csrc/grad_node.cpp).
+    saved_tensors: tuple[Optional[torch.Tensor], ...] = _C._SavedTensors()  # type: ignore[assignment]
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         #: One bool per operator input: does it need a gradient?
@@ -113,9 +99,5 @@ def run_jvp(
     if saved is None:
         saved = ctx.to_save
         _check_saveable("save_for_backward", saved or ())
-    ctx.saved_tensors = saved if saved is not None else ()
-    try:
-        return jvp_fn(ctx, *tangents)
-    finally:
-        vars(ctx).pop("saved_tensors", None)
-        ctx.to_save = ctx.saved_for_forward = None
+    ctx.to_save = ctx.saved_for_forward = None
+    return _C._call_with_saved_tensors(jvp_fn, ctx, saved if saved is not None else (), *tangents)

@@ -168,7 +168,11 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             num_returns=len(self._opoverload._schema.returns),
         )
         self._ab.setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
-        self._ab.registration = _C._register_op(self._qualname, self)
+        registration = _C._register_op(self._qualname, self)
+        self._ab.registration = registration
+        # NOTE [Kernels die with their op] (csrc/registration.cpp): torch
+        # destroying the op's Library (a redefinition) takes our kernels too.
+        self._lib._registration_handles.append(_library_utils.RegistrationHandle(registration.destroy))
         if vmap == "loop":
             self._ab.registration.set_vmap_mode(_VMAP_LOOP)
         elif self._vmap_fn is not None:
@@ -441,7 +445,26 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             check(self._name, args, kwargs, result, lambda: inspect.getmodule(self._init_fn))
 
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
-        return (self._abstract_fn or self._init_fn)(*args, **kwargs)
+        """The fake kernel: ``register_fake``'s function, or by default the op's own function."""
+        if self._abstract_fn is not None:
+            return self._abstract_fn(*args, **kwargs)
+        try:
+            return self._init_fn(*args, **kwargs)
+        except _PLAIN_ERRORS as e:
+            # torch's own control-flow exceptions (data-dependent output,
+            # guards on unbacked symbols) are subclasses: they go on unchanged,
+            # for torch to handle.
+            if type(e) not in _PLAIN_ERRORS:
+                raise
+            raise type(e)(
+                f"{e}\ntorch_autobatch: {self._qualname} has no fake kernel, so its own "
+                f"function ran as one (on fake or meta tensors: torch.compile, "
+                f"torch.export, FakeTensorMode, DTensor sharding propagation), and that "
+                f"failed (above). Register a fake kernel with "
+                f"{self._name}.register_fake(fn): a function of the same arguments "
+                f"that returns empty tensors of the output shapes (torch.empty_like, "
+                f"x.new_empty)."
+            ) from e
 
     def _call_setup_context(
         self,
@@ -451,30 +474,35 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         inputs: tuple[Any, ...],
         output: Any,
     ) -> None:
-        if kwonly_form:
-            positional, kwargs = self._split_args(inputs)
-            setup(ctx, positional, kwargs, output)
-        else:
-            setup(ctx, inputs, output)
-        if ctx.dirty_tensors or "saved_tensors" in vars(ctx):
-            self._reject_ctx(setup, ctx)
-
-    def _reject_ctx(self, setup: Callable[..., Any], ctx: BackwardContext) -> None:
-        """Raises for what setup_context did to ctx that torch.library's ctx does not allow."""
+        try:
+            if kwonly_form:
+                positional, kwargs = self._split_args(inputs)
+                setup(ctx, positional, kwargs, output)
+            else:
+                setup(ctx, inputs, output)
+        except AttributeError as e:
+            self._reraise_assigned_saved_tensors(e, setup, ctx)
+            raise
         if ctx.dirty_tensors:
-            raise RuntimeError(
-                f"torch_autobatch: the setup_context of {self._qualname} "
-                f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
-                f"mutates no input (mutates_args=()). Return new tensors instead."
-            )
-        # autograd.Function's ctx.saved_tensors is read-only; ours is an
-        # instance attribute (NOTE [saved_tensors is an instance attribute]),
-        # so the assignment is refused here rather than silently replaced.
-        raise AttributeError(
+            self._reject_dirty(setup)
+
+    def _reject_dirty(self, setup: Callable[..., Any]) -> None:
+        raise RuntimeError(
             f"torch_autobatch: the setup_context of {self._qualname} "
-            f"({_fn_name(setup)}) assigned ctx.saved_tensors, which is read-only. "
-            f"Call ctx.save_for_backward(*tensors) instead."
+            f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
+            f"mutates no input (mutates_args=()). Return new tensors instead."
         )
+
+    def _reraise_assigned_saved_tensors(
+        self, e: AttributeError, setup: Callable[..., Any], ctx: BackwardContext
+    ) -> None:
+        """ctx.saved_tensors is read-only (its descriptor raised ``e``): say so, naming the op."""
+        if getattr(e, "name", None) == "saved_tensors" and getattr(e, "obj", None) is ctx:
+            raise AttributeError(
+                f"torch_autobatch: the setup_context of {self._qualname} "
+                f"({_fn_name(setup)}) assigned ctx.saved_tensors, which is read-only. "
+                f"Call ctx.save_for_backward(*tensors) instead."
+            ) from None
 
     # NOTE [The per-call Python of a grad node]
     # _setup_autograd (forward) and _run_backward (backward) are the only
@@ -493,16 +521,20 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             if self._ab.setup_context_kwonly:
                 self._call_setup_context(setup, True, ctx, inputs, output)
             else:
-                setup(ctx, inputs, output)
-                if ctx.dirty_tensors or "saved_tensors" in vars(ctx):
-                    self._reject_ctx(setup, ctx)
+                try:
+                    setup(ctx, inputs, output)
+                except AttributeError as e:
+                    self._reraise_assigned_saved_tensors(e, setup, ctx)
+                    raise
+                if ctx.dirty_tensors:
+                    self._reject_dirty(setup)
         return ctx
 
-    def _run_backward(
-        self, ctx: BackwardContext, saved: tuple[Any, ...], grads: tuple[Any, ...]
-    ) -> tuple[Any, ...]:
+    def _run_backward(self, ctx: BackwardContext, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """Calls the user's backward; the C++ node checks what it returns.
 
+        The node has made its saved tensors ``ctx.saved_tensors`` for this
+        call (NOTE [Saved tensors belong to the call] in csrc/grad_node.cpp).
         As torch.library allows, a backward may return one gradient per
         positional input only (keyword-only inputs then get None).
         """
@@ -513,11 +545,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._name}.register_autograd(backward, setup_context=setup_context) "
                 f"to differentiate through it."
             )
-        ctx.saved_tensors = saved  # NOTE [saved_tensors is an instance attribute]
-        try:
-            result = backward(ctx, *grads)
-        finally:
-            vars(ctx).pop("saved_tensors", None)
+        result = backward(ctx, *grads)
         if not isinstance(result, tuple):
             result = (result,)
         kwarg_only = self._ab.kwarg_only
@@ -554,17 +582,9 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         if setup is not None:
             self._call_setup_context(setup, kwonly, ctx, inputs, output)
         result = run_jvp(self._ab.jvp_fn, ctx, tangents)
-        if self._ab.num_returns == 1 and not isinstance(result, tuple):
-            result = (result,)
-        if not isinstance(result, tuple) or len(result) != self._ab.num_returns:
-            got = f"{len(result)} tangent(s)" if isinstance(result, tuple) else type(result).__name__
-            raise RuntimeError(
-                f"torch_autobatch: the jvp of {self._qualname} ({self._jvp_fn_name}) "
-                f"returned {got}, but the op has {self._ab.num_returns} output(s). Return "
-                f"one tangent per output (a tuple for several), None for "
-                f"non-differentiable ones."
-            )
-        return result
+        # The C++ side checks every tangent (NOTE [One gate for every user
+        # tangent] in csrc/forward_mode.cpp).
+        return (result,) if self._ab.num_returns == 1 and not isinstance(result, tuple) else result
 
     def _composite_tangents(self, args: tuple[Any, ...]) -> tuple[Optional[torch.Tensor], ...]:
         """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
@@ -572,7 +592,11 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         try:
             out = self._init_fn(*positional, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
-            if not any(k in str(e) for k in ("forward", "Forward", "data pointer", "storage")):
+            # torch's own errors are exactly these types; a user's exception
+            # (even a subclass of them) goes on unchanged.
+            if type(e) not in (RuntimeError, NotImplementedError) or not any(
+                k in str(e) for k in ("forward", "Forward", "data pointer", "storage")
+            ):
                 raise
             # torch's message first, as for the plain function.
             raise type(e)(
@@ -596,6 +620,11 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._name}.register_jvp(jvp)."
             )
         return tangents
+
+
+# The exception types a fake kernel's failure is explained for (exactly these:
+# see CustomOpDef._fake_impl).
+_PLAIN_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError)
 
 
 def _is_differentiable(t: Any) -> bool:

@@ -1,0 +1,402 @@
+// Forward-mode AD of a torch_autobatch operator: the tangents of its outputs.
+//
+// NOTE [Forward mode]
+// An input has a tangent (jvp, jacfwd, forward_ad): the primal outputs come
+// from the same single run below autograd as always (so lower levels and
+// the reverse-mode node are as usual); the output tangents come from the
+// registered jvp, or, when none is registered, from forward-mode AD of the
+// op's own function (run again, above autograd, on the dual inputs). Each
+// runs at the level of the Autograd kernel that sees the tangents, so outer
+// levels differentiate the tangent computation itself (jvp(jvp), grad(jvp));
+// and the grad node saves the dual inputs, so forward mode over its backward
+// sees their tangents (jacfwd(jacrev)).
+//
+// NOTE [Forward mode under vmap]
+// Under vmap the batched kernel runs the op once for every level below it.
+// Without a registered jvp, the composite's own forward-mode AD gives the
+// tangents of the Jvp levels below in that same run. With one, the jvp runs
+// at each Jvp level below vmap like a grad node's backward: on that level's
+// primals and tangents, re-entering the vmap levels above so it sees each
+// example's shapes (set_jvp_tangents_below_vmap).
+//
+// NOTE [One gate for every user tangent]
+// Whatever path produced it (the Autograd kernel's, or the batched kernel's at
+// a Jvp level below vmap, at any nesting), what a user's jvp returned goes
+// through check_jvp_result before any of it reaches an output: one tangent
+// per output (None or a Tensor; a list of them for a Tensor[] output), each
+// of its output's shape, dtype, device and layout. A path that skipped it
+// would set a float32 tangent on a float64 output, or read a Python int as a
+// tensor (a crash).
+#include "forward_mode.h"
+
+#include "functorch.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <sstream>
+
+namespace torch_autobatch {
+
+RngStates::RngStates(const std::vector<at::Tensor>& inputs) {
+  add(at::detail::getDefaultCPUGenerator());
+  for (const auto& t : inputs) {
+    if (t.defined() && !t.is_cpu() && t.device().type() != c10::DeviceType::Meta) {
+      try {
+        add(at::globalContext().defaultGenerator(t.device()));
+      } catch (const c10::Error&) {
+        // A device without a default generator draws no random numbers.
+      }
+    }
+  }
+}
+
+void RngStates::add(const at::Generator& gen) {
+  for (const auto& s : states_) {
+    if (s.first == gen) {
+      return;
+    }
+  }
+  at::Generator g = gen;
+  std::lock_guard<std::mutex> lock(g.mutex());
+  states_.emplace_back(gen, g.get_state());
+}
+
+RngStates RngStates::current() const {
+  RngStates now;
+  for (const auto& s : states_) {
+    now.add(s.first);
+  }
+  return now;
+}
+
+void RngStates::restore() const {
+  for (const auto& [gen, state] : states_) {
+    at::Generator g = gen;
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(state);
+  }
+}
+
+namespace {
+
+py::object wrap(const at::Tensor& t) {
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+}
+
+std::string type_name(py::handle obj) {
+  return py::str(py::type::handle_of(obj).attr("__name__"));
+}
+
+// NOTE [One gate for every user tangent]. `result`: what CustomOpDef._run_jvp
+// returned (a tuple, one entry per schema return); `outputs`: the op's flat
+// tensor outputs as the jvp saw them. Returns one tangent per flat output
+// (undefined: none), without tangents of their own. Requires the GIL.
+std::vector<at::Tensor> check_jvp_result(
+    const OpState& state,
+    py::handle opdef,
+    py::handle result,
+    const std::vector<Slot>& ret_slots,
+    const std::vector<at::Tensor>& outputs) {
+  auto fail = [&](const std::string& what) {
+    const std::string fn = py::str(opdef.attr(py_names().jvp_fn_name));
+    TORCH_CHECK(false, "torch_autobatch: the jvp of ", state.qualname, " (", fn, ") ", what);
+  };
+  const size_t num_returns = ret_slots.size();
+  if (!PyTuple_Check(result.ptr()) || py::len(result) != num_returns) {
+    const std::string got = PyTuple_Check(result.ptr())
+        ? std::to_string(py::len(result)) + " tangent(s)"
+        : type_name(result);
+    fail(
+        "returned " + got + ", but the op has " + std::to_string(num_returns) +
+        " output(s). Return one tangent per output (a tuple for several), None "
+        "for non-differentiable ones.");
+  }
+  auto tuple = py::reinterpret_borrow<py::tuple>(result);
+  std::vector<at::Tensor> tangents(outputs.size());
+  auto check = [&](py::handle tangent, size_t k, const std::string& where) {
+    if (!THPVariable_Check(tangent.ptr())) {
+      fail(
+          "returned a value of type " + type_name(tangent) + " as the tangent of " +
+          where + "; expected a Tensor or None.");
+    }
+    const at::Tensor& t = THPVariable_Unpack(tangent.ptr());
+    const at::Tensor& out = outputs[k];
+    if (!out.defined() || !torch::autograd::isDifferentiableType(out.scalar_type())) {
+      return; // a non-differentiable output has no tangent to set
+    }
+    std::ostringstream msg;
+    if (!t.sym_sizes().equals(out.sym_sizes())) {
+      msg << "returned a tangent of shape " << t.sym_sizes() << " for " << where
+          << ", which has shape " << out.sym_sizes()
+          << ". Return a tangent of the output's shape.";
+    } else if (t.scalar_type() != out.scalar_type()) {
+      msg << "returned a tangent of dtype " << t.scalar_type() << " for " << where
+          << ", which has dtype " << out.scalar_type()
+          << ". Cast it with .to(output.dtype).";
+    } else if (t.device() != out.device()) {
+      msg << "returned a tangent on device " << t.device() << " for " << where
+          << ", which is on " << out.device() << ". Move it with .to(output.device).";
+    } else if (t.layout() != out.layout()) {
+      msg << "returned a tangent of layout " << t.layout() << " for " << where
+          << ", which has layout " << out.layout()
+          << ". Return a tangent of the output's layout.";
+    }
+    if (!msg.str().empty()) {
+      fail(msg.str());
+    }
+    // A tangent computed from the dual inputs would itself carry a tangent.
+    tangents[k] = torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
+  };
+  for (size_t r = 0; r < num_returns; ++r) {
+    const Slot& s = ret_slots[r];
+    const py::handle t = tuple[r];
+    const std::string where = "output " + std::to_string(r);
+    if (t.is_none()) {
+      continue;
+    }
+    if (s.is_list) {
+      if (!(PyList_Check(t.ptr()) || PyTuple_Check(t.ptr())) || py::len(t) != s.count) {
+        fail(
+            "returned " + std::string(py::repr(t)) + " as the tangent of " + where +
+            ", a list of " + std::to_string(s.count) + " tensors. Return a list of " +
+            std::to_string(s.count) + " tangents (Tensor or None), or None.");
+      }
+      auto seq = py::reinterpret_borrow<py::sequence>(t);
+      for (size_t j = 0; j < s.count; ++j) {
+        if (!seq[j].is_none()) {
+          check(seq[j], s.first + j, where + " (element " + std::to_string(j) + ")");
+        }
+      }
+    } else if (s.count == 1) {
+      check(t, s.first, where);
+    } else {
+      fail(
+          "returned a value of type " + type_name(t) + " as the tangent of " + where +
+          ", which is not a Tensor (or was None). Return None for it.");
+    }
+  }
+  return tangents;
+}
+
+// Replaces each tensor that has a tangent by a view of it without one.
+c10::IValue strip_tangent(const c10::IValue& v) {
+  auto strip = [](const at::Tensor& t) {
+    return torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
+  };
+  if (v.isTensor()) {
+    return strip(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) {
+      out.push_back(strip(t));
+    }
+    return out;
+  }
+  return v;
+}
+
+// The tangent of `v` for the user's jvp: Tensor or None, a list for a list.
+py::object tangent_of(const c10::IValue& v) {
+  auto tangent = [](const at::Tensor& t) -> py::object {
+    return torch::autograd::isFwGradDefined(t) ? wrap(t._fw_grad(0)) : py::none();
+  };
+  if (v.isTensor()) {
+    return tangent(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    py::list l;
+    for (const at::Tensor& t : v.toTensorList()) {
+      l.append(tangent(t));
+    }
+    return std::move(l);
+  }
+  return py::none();
+}
+
+void set_fw_grads(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& tangents) {
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (tangents[k].defined() && outputs[k].defined() &&
+        torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
+      outputs[k]._set_fw_grad(tangents[k], /*level=*/0, /*is_inplace_op=*/false);
+    }
+  }
+}
+
+// Python values of the op's arguments (or returns) for the jvp, with the
+// tensors taken from `flat` (by `slots`); a tangent has None for non-tensors.
+py::tuple rebuild(
+    const std::vector<at::Tensor>& flat,
+    const std::vector<Slot>& slots,
+    c10::ArrayRef<c10::IValue> values,
+    const std::vector<c10::Argument>& schema,
+    bool as_tangent) {
+  py::tuple res(values.size());
+  for (size_t a = 0; a < values.size(); ++a) {
+    const Slot& s = slots[a];
+    if (s.is_list) {
+      py::list l(s.count);
+      for (size_t k = 0; k < s.count; ++k) {
+        const at::Tensor& t = flat[s.first + k];
+        l[k] = t.defined() ? wrap(t) : py::none();
+      }
+      res[a] = l;
+    } else if (s.count == 1) {
+      const at::Tensor& t = flat[s.first];
+      res[a] = t.defined() ? wrap(t) : py::none();
+    } else {
+      res[a] = as_tangent ? py::none() : to_py(values[a], *schema[a].real_type());
+    }
+  }
+  return res;
+}
+
+} // namespace
+
+void set_output_tangents(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const std::vector<c10::IValue>& args,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<Slot>& ret_slots,
+    const std::vector<at::Tensor>& outputs,
+    const std::optional<RngStates>& rng_before_primal) {
+  std::vector<at::Tensor> tangents(outputs.size());
+  try {
+    const py::object opdef = state.opdef();
+    const PyNames& names = py_names();
+    if (state.has_jvp.load()) {
+      const size_t num_args = args.size();
+      py::tuple primals(num_args);
+      py::tuple py_tangents(num_args);
+      py::tuple needs(num_args);
+      for (size_t a = 0; a < num_args; ++a) {
+        primals[a] = to_py(strip_tangent(args[a]), *schema.arguments()[a].real_type());
+        py_tangents[a] = tangent_of(args[a]);
+        needs[a] = py::bool_(any_requires_grad(args[a]));
+      }
+      py::object result = call_method(
+          opdef, names.run_jvp,
+          {primals, to_py_tuple(returns, schema.returns()), py_tangents, needs});
+      tangents = check_jvp_result(state, opdef, result, ret_slots, outputs);
+    } else {
+      // NOTE [Derived tangents draw the primal's random numbers]
+      std::optional<RngStates> rng_after_primal;
+      if (rng_before_primal) {
+        rng_after_primal.emplace(rng_before_primal->current());
+        rng_before_primal->restore();
+      }
+      py::tuple result = call_method(
+          opdef, names.composite_tangents, {to_py_tuple(args, schema.arguments())});
+      if (rng_after_primal) {
+        rng_after_primal->restore();
+      }
+      for (size_t k = 0; k < outputs.size(); ++k) {
+        if (!result[k].is_none()) {
+          tangents[k] = THPVariable_Unpack(result[k].ptr());
+        }
+      }
+    }
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+  set_fw_grads(outputs, tangents);
+}
+
+void set_jvp_tangents_below_vmap(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    int64_t level,
+    const std::vector<at::Tensor>& in,
+    const std::vector<at::Tensor>& out,
+    const std::vector<VmapFrame>& frames_inner_first,
+    const std::vector<c10::IValue>& args,
+    const std::vector<Slot>& arg_slots,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<Slot>& ret_slots) {
+  std::vector<at::Tensor> primals(in.size());
+  std::vector<at::Tensor> tangents(in.size());
+  bool any = false;
+  for (size_t k = 0; k < in.size(); ++k) {
+    primals[k] = in[k];
+    if (in[k].defined() && functorch::is_wrapped_at(in[k], level) &&
+        torch::autograd::isFwGradDefined(in[k])) {
+      tangents[k] = in[k]._fw_grad(0);
+      primals[k] = in[k]._fw_primal(0);
+      any = true;
+    }
+  }
+  if (!any) {
+    return;
+  }
+  std::vector<at::Tensor> outs = out;
+
+  functorch::LowerToLevel lowered(level);
+  functorch::ReenteredVmapLevels levels;
+  for (size_t j = frames_inner_first.size(); j-- > 0;) {
+    const VmapFrame& f = frames_inner_first[j];
+    const int64_t lvl = levels.push(f.batch_size, f.randomness);
+    for (size_t k = 0; k < in.size(); ++k) {
+      if (primals[k].defined()) {
+        primals[k] = at::functorch::makeBatched(primals[k], f.in_bdims[k], lvl);
+      }
+      if (tangents[k].defined()) {
+        tangents[k] = at::functorch::makeBatched(tangents[k], f.in_bdims[k], lvl);
+      }
+    }
+    for (size_t k = 0; k < out.size(); ++k) {
+      if (outs[k].defined()) {
+        outs[k] = at::functorch::makeBatched(outs[k], f.out_bdims[k], lvl);
+      }
+    }
+  }
+
+  std::vector<at::Tensor> out_tangents;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      const py::object opdef = state.opdef();
+      py::tuple needs(args.size());
+      for (size_t a = 0; a < args.size(); ++a) {
+        needs[a] = py::bool_(false);
+      }
+      py::object result = call_method(
+          opdef, py_names().run_jvp,
+          {rebuild(primals, arg_slots, args, schema.arguments(), false),
+           rebuild(outs, ret_slots, returns, schema.returns(), false),
+           rebuild(tangents, arg_slots, args, schema.arguments(), true), needs});
+      out_tangents = check_jvp_result(state, opdef, result, ret_slots, outs);
+    } catch (py::error_already_set& e) {
+      rethrow_python_error(e);
+    }
+  }
+  for (const VmapFrame& f : frames_inner_first) {
+    const int64_t lvl = levels.innermost();
+    std::vector<std::optional<int64_t>> have(out_tangents.size());
+    for (size_t k = 0; k < out_tangents.size(); ++k) {
+      if (out_tangents[k].defined()) {
+        std::tie(out_tangents[k], have[k]) =
+            at::functorch::unwrapTensorAtLevel(out_tangents[k], lvl);
+      }
+    }
+    levels.pop();
+    for (size_t k = 0; k < out_tangents.size(); ++k) {
+      if (out_tangents[k].defined()) {
+        out_tangents[k] = functorch::match_bdim(
+            out_tangents[k], have[k], f.out_bdims[k], f.batch_size);
+      }
+    }
+  }
+  std::vector<at::Tensor> at_level(out.size());
+  for (size_t k = 0; k < out.size(); ++k) {
+    if (out[k].defined() && functorch::is_wrapped_at(out[k], level)) {
+      at_level[k] = out[k];
+    }
+  }
+  set_fw_grads(at_level, out_tangents);
+}
+
+} // namespace torch_autobatch

@@ -1,0 +1,66 @@
+// Forward-mode AD of a torch_autobatch operator (forward_mode.cpp): the one
+// home of output tangents, called by both kernels. Every tangent a user's
+// jvp returns passes one gate (NOTE [One gate for every user tangent]).
+#pragma once
+
+#include "autobatch.h"
+
+#include <utility>
+
+namespace torch_autobatch {
+
+// NOTE [Derived tangents draw the primal's random numbers]
+// Without a registered jvp the tangents come from running the function again
+// on the dual inputs (NOTE [Forward mode]). A random op inside (dropout) must
+// draw there exactly what the primal run drew, or the tangent belongs to
+// another mask: silently wrong. So the default generators of the inputs'
+// devices (and the CPU's) are put back to their state before the primal run
+// for the tangent run, and to their state after it once it is done: the
+// caller's random stream advances once, as for the plain function.
+class RngStates {
+ public:
+  explicit RngStates(const std::vector<at::Tensor>& inputs);
+  // The same generators' states now.
+  RngStates current() const;
+  void restore() const;
+
+ private:
+  RngStates() = default;
+  void add(const at::Generator& gen);
+  std::vector<std::pair<at::Generator, at::Tensor>> states_;
+};
+
+// The Autograd kernel's half (no vmap level above the op): gives each
+// differentiable output its tangent, from the registered jvp or derived from
+// the op's function. `args` are the op's arguments with their tangents;
+// `returns`/`outputs` the primal outputs (`ret_slots` maps one to the other).
+// `rng_before_primal`: for derived tangents, the generators' states before
+// the primal run. Requires the GIL.
+void set_output_tangents(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const std::vector<c10::IValue>& args,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<Slot>& ret_slots,
+    const std::vector<at::Tensor>& outputs,
+    const std::optional<RngStates>& rng_before_primal);
+
+// The batched kernel's half (NOTE [Forward mode under vmap]): at the Jvp
+// level `level` below one or more vmap levels, the registered jvp on this
+// level's primals and tangents (`in`, `out`: the op's flat tensors at this
+// level), re-entering `frames_inner_first` so it sees each example's shapes.
+// `args`/`returns`: the op's arguments and returns as the batched kernel got
+// and made them (for their non-tensor values). Takes the GIL itself.
+void set_jvp_tangents_below_vmap(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    int64_t level,
+    const std::vector<at::Tensor>& in,
+    const std::vector<at::Tensor>& out,
+    const std::vector<VmapFrame>& frames_inner_first,
+    const std::vector<c10::IValue>& args,
+    const std::vector<Slot>& arg_slots,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<Slot>& ret_slots);
+
+} // namespace torch_autobatch

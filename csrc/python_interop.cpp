@@ -1,0 +1,145 @@
+// The Python/C++ boundary helpers of python_interop.h.
+#include "python_interop.h"
+
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+
+namespace torch_autobatch {
+
+void PyRef::reset() {
+  if (obj_ == nullptr) {
+    return;
+  }
+  // At interpreter shutdown the object is leaked rather than touched.
+  if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+    py::gil_scoped_acquire gil;
+    Py_DECREF(obj_);
+  }
+  obj_ = nullptr;
+}
+
+const PyNames& py_names() {
+  static const PyNames names{
+      PyUnicode_InternFromString("_setup_autograd"),
+      PyUnicode_InternFromString("_run_backward"),
+      PyUnicode_InternFromString("_run_jvp"),
+      PyUnicode_InternFromString("_composite_tangents"),
+      PyUnicode_InternFromString("_run_vmap_rule"),
+      PyUnicode_InternFromString("_check_aliasing"),
+      PyUnicode_InternFromString("_backward_fn_name"),
+      PyUnicode_InternFromString("_jvp_fn_name"),
+      PyUnicode_InternFromString("_backend_fns"),
+      PyUnicode_InternFromString("to_save"),
+      PyUnicode_InternFromString("non_differentiable"),
+      PyUnicode_InternFromString("materialize_grads"),
+  };
+  return names;
+}
+
+py::object call_method(py::handle self, PyObject* name, std::initializer_list<py::handle> args) {
+  // self, then the arguments: PyObject_VectorcallMethod's layout.
+  c10::SmallVector<PyObject*, 6> argv;
+  argv.push_back(self.ptr());
+  for (py::handle a : args) {
+    argv.push_back(a.ptr());
+  }
+  PyObject* out = PyObject_VectorcallMethod(name, argv.data(), argv.size(), nullptr);
+  if (out == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(out);
+}
+
+namespace {
+
+py::object borrowed(PyObject* obj) {
+  return py::reinterpret_borrow<py::object>(obj);
+}
+
+// Does a value of `type` need its schema type to reach Python right?
+bool schema_typed(const c10::Type& type) {
+  switch (type.kind()) {
+    case c10::TypeKind::ScalarTypeType:
+    case c10::TypeKind::LayoutType:
+    case c10::TypeKind::MemoryFormatType:
+      return true;
+    case c10::TypeKind::OptionalType:
+      return schema_typed(*type.castRaw<c10::OptionalType>()->getElementType());
+    case c10::TypeKind::ListType:
+      return schema_typed(*type.castRaw<c10::ListType>()->getElementType());
+    default:
+      return false;
+  }
+}
+
+} // namespace
+
+py::object to_py(const c10::IValue& value, const c10::Type& type) {
+  switch (type.kind()) {
+    case c10::TypeKind::ScalarTypeType:
+      if (value.isInt()) {
+        return borrowed(reinterpret_cast<PyObject*>(
+            torch::getTHPDtype(static_cast<c10::ScalarType>(value.toInt()))));
+      }
+      break;
+    case c10::TypeKind::LayoutType:
+      if (value.isInt()) {
+        return borrowed(reinterpret_cast<PyObject*>(
+            torch::getTHPLayout(static_cast<c10::Layout>(value.toInt()))));
+      }
+      break;
+    case c10::TypeKind::MemoryFormatType:
+      if (value.isInt()) {
+        return borrowed(
+            torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(value.toInt())));
+      }
+      break;
+    case c10::TypeKind::OptionalType:
+      if (!value.isNone()) {
+        return to_py(value, *type.castRaw<c10::OptionalType>()->getElementType());
+      }
+      break;
+    case c10::TypeKind::ListType: {
+      const auto& elem = *type.castRaw<c10::ListType>()->getElementType();
+      if (value.isList() && schema_typed(elem)) {
+        const auto items = value.toListRef();
+        py::list out(items.size());
+        for (size_t i = 0; i < items.size(); ++i) {
+          out[i] = to_py(items[i], elem);
+        }
+        return std::move(out);
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  return torch::jit::toPyObject(value);
+}
+
+py::tuple to_py_tuple(
+    c10::ArrayRef<c10::IValue> values,
+    const std::vector<c10::Argument>& schema) {
+  TORCH_INTERNAL_ASSERT(values.size() == schema.size());
+  py::tuple out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    out[i] = to_py(values[i], *schema[i].real_type());
+  }
+  return out;
+}
+
+void rethrow_python_error(py::error_already_set& e) {
+  // Hand the exception over as torch's python_error: torch's bindings and the
+  // autograd engine re-raise it in Python unchanged (type, message, traceback)
+  // on whatever thread the op or the backward was called from.
+  py::gil_scoped_acquire gil;
+  e.restore();
+  ::python_error err;
+  err.persist();
+  throw err;
+}
+
+} // namespace torch_autobatch
