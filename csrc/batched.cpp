@@ -305,11 +305,12 @@ class BatchedKernel final : public c10::OperatorKernel {
   void run_loop_empty(
       const c10::OperatorHandle& op,
       const std::vector<c10::IValue>& args,
-      const std::vector<bool>& is_batched,
+      const std::vector<std::vector<bool>>& batched,
       int64_t level,
       torch::jit::Stack* stack) const;
+  void check_loop_output(const c10::IValue& out, size_t r) const;
 
-  static bool nothing_to_attach(bool grad_mode, const std::vector<at::Tensor>& inputs);
+  bool nothing_to_attach(bool grad_mode, const std::vector<at::Tensor>& inputs) const;
 
   void attach_grad_nodes(
       const c10::FunctionSchema& schema,
@@ -325,22 +326,28 @@ class BatchedKernel final : public c10::OperatorKernel {
 };
 
 // The common case of the walk below, without its copies: only vmap levels
-// (no Grad or Jvp level to attach at), and at the base grad mode is off or no
-// input, with its batch dims peeled, requires grad.
-bool BatchedKernel::nothing_to_attach(bool grad_mode, const std::vector<at::Tensor>& inputs) {
+// (no Grad or Jvp level to attach at), and at the base no input, with its
+// batch dims peeled, requires grad (with grad mode on) or has a tangent for
+// the registered jvp (forward-mode AD's dual tensors).
+bool BatchedKernel::nothing_to_attach(
+    bool grad_mode,
+    const std::vector<at::Tensor>& inputs) const {
   for (const auto& layer : at::functorch::getDynamicLayerStack()) {
     if (layer.key() != TransformType::Vmap) {
       return false;
     }
   }
-  if (!grad_mode) {
+  const bool has_jvp = state_->has_jvp.load();
+  if (!grad_mode && !has_jvp) {
     return true;
   }
   for (at::Tensor t : inputs) {
     while (auto* b = t.defined() ? at::functorch::maybeGetBatchedImpl(t) : nullptr) {
       t = b->value();
     }
-    if (t.defined() && t.requires_grad()) {
+    if (t.defined() &&
+        ((grad_mode && t.requires_grad()) ||
+         (has_jvp && torch::autograd::isFwGradDefined(t)))) {
       return false;
     }
   }
@@ -437,6 +444,12 @@ void BatchedKernel::attach_grad_nodes(
         unwrap_wrapper_level(out, layer);
     }
   }
+  if (state_->has_jvp.load()) {
+    // The base: tangents of forward-mode AD's dual tensors (fwAD.make_dual
+    // around vmap(op)), NOTE [Forward mode under vmap].
+    set_jvp_tangents_below_vmap(
+        *state_, schema, kBaseLevel, in, out, frames, args, arg_slots, returns, ret_slots);
+  }
   if (mode) {
     bool any = false;
     for (size_t k = 0; k < in.size(); ++k) {
@@ -513,8 +526,11 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
     // is user Python: a torch.func call in it needs the caller's state (NOTE
     // [User Python sees a plain caller's state]).
     functorch::AsPlainCaller plain;
-    const py::tuple py_args = to_py_tuple(torch::jit::last(*stack, num_args), schema.arguments());
-    py::tuple outs = call_method(state_->opdef(), py_names().run_vmap_rule, {py_args});
+    // NOTE [The function gets its arguments as torch passes them]
+    const auto [py_args, py_kwargs] =
+        to_py_call(torch::jit::last(*stack, num_args), schema.arguments());
+    py::tuple outs =
+        call_method(state_->opdef(), py_names().run_vmap_rule, {py_args, py_kwargs});
     torch::jit::drop(*stack, num_args);
     for (size_t r = 0; r < num_returns; ++r) {
       torch::jit::push(*stack, torch::jit::toIValue(outs[r], schema.returns()[r].type()));
@@ -523,6 +539,28 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
     rethrow_python_error(e);
   }
 }
+
+namespace {
+
+// `v` (an argument of the loop) with each of its tensors replaced by
+// `f(tensor, batched)`; `batched` holds one flag per tensor of `v`.
+template <class F>
+c10::IValue map_tensors(const c10::IValue& v, const std::vector<bool>& batched, F f) {
+  if (v.isTensor()) {
+    return v.toTensor().defined() ? c10::IValue(f(v.toTensor(), batched[0])) : v;
+  }
+  if (!v.isTensorList()) {
+    return v;
+  }
+  c10::List<at::Tensor> out;
+  size_t k = 0;
+  for (const at::Tensor& t : v.toTensorList()) {
+    out.push_back(f(t, batched[k++]));
+  }
+  return out;
+}
+
+} // namespace
 
 void BatchedKernel::run_loop(
     const c10::OperatorHandle& op,
@@ -537,48 +575,53 @@ void BatchedKernel::run_loop(
       stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
   torch::jit::drop(*stack, num_args);
 
-  // Unwrap once; move every batch dim to the front.
-  std::vector<bool> is_batched(num_args, false);
+  // Unwrap once; move every batch dim to the front. One flag per tensor of
+  // each argument: is it batched at this level?
+  std::vector<std::vector<bool>> batched(num_args);
   for (size_t a = 0; a < num_args; ++a) {
-    TORCH_CHECK(
-        !args[a].isTensorList(),
-        "torch_autobatch: vmap=\"loop\" of ",
-        state_->qualname,
-        " does not support list-of-tensor arguments yet.");
-    if (args[a].isTensor()) {
-      auto [value, bdim] =
-          at::functorch::unwrapTensorAtLevel(args[a].toTensor(), level);
-      is_batched[a] = bdim.has_value();
-      args[a] = bdim ? value.movedim(*bdim, 0) : value;
-    }
+    auto& flags = batched[a];
+    const size_t count = args[a].isTensor() ? 1 : args[a].isTensorList() ? args[a].toTensorList().size() : 0;
+    flags.assign(count, false);
+    size_t k = 0;
+    args[a] = map_tensors(args[a], flags, [&](const at::Tensor& t, bool) {
+      auto [value, bdim] = at::functorch::unwrapTensorAtLevel(t, level);
+      flags[k++] = bdim.has_value();
+      return bdim ? value.movedim(*bdim, 0) : value;
+    });
   }
-  std::vector<std::vector<at::Tensor>> results(num_returns);
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
   if (batch_size == 0) {
-    run_loop_empty(op, args, is_batched, level, stack);
+    run_loop_empty(op, args, batched, level, stack);
     return;
   }
+  std::vector<std::vector<at::Tensor>> results(num_returns);
   for (int64_t b = 0; b < batch_size; ++b) {
     torch::jit::Stack call;
     for (size_t a = 0; a < num_args; ++a) {
-      call.push_back(is_batched[a] ? c10::IValue(args[a].toTensor().select(0, b)) : args[a]);
+      call.push_back(map_tensors(args[a], batched[a], [&](const at::Tensor& t, bool is_batched) {
+        return is_batched ? t.select(0, b) : t;
+      }));
     }
     op.callBoxed(call);
     for (size_t r = 0; r < num_returns; ++r) {
-      TORCH_CHECK(
-          call[r].isTensor(),
-          "torch_autobatch: vmap=\"loop\" of ",
-          state_->qualname,
-          " supports tensor outputs only; output ",
-          r,
-          " is a ",
-          call[r].tagKind());
+      check_loop_output(call[r], r);
       results[r].push_back(call[r].toTensor());
     }
   }
   for (size_t r = 0; r < num_returns; ++r) {
     torch::jit::push(*stack, at::functorch::makeBatched(at::stack(results[r]), 0, level));
   }
+}
+
+void BatchedKernel::check_loop_output(const c10::IValue& out, size_t r) const {
+  TORCH_CHECK(
+      out.isTensor(),
+      "torch_autobatch: vmap=\"loop\" of ",
+      state_->qualname,
+      " supports tensor outputs only; output ",
+      r,
+      " is a ",
+      out.tagKind());
 }
 
 // A batch of no examples: the outputs have the shapes one example would
@@ -588,23 +631,20 @@ void BatchedKernel::run_loop(
 void BatchedKernel::run_loop_empty(
     const c10::OperatorHandle& op,
     const std::vector<c10::IValue>& args,
-    const std::vector<bool>& is_batched,
+    const std::vector<std::vector<bool>>& batched,
     int64_t level,
     torch::jit::Stack* stack) const {
   const size_t num_returns = op.schema().returns().size();
+  std::optional<c10::Device> device;
   torch::jit::Stack call;
-  std::optional<c10::TensorOptions> options;
   for (size_t a = 0; a < args.size(); ++a) {
-    if (!args[a].isTensor()) {
-      call.push_back(args[a]);
-      continue;
-    }
-    const at::Tensor& t = args[a].toTensor();
-    if (!options && t.defined()) {
-      options = t.options();
-    }
-    const auto sizes = is_batched[a] ? t.sym_sizes().slice(1) : t.sym_sizes();
-    call.push_back(at::empty_symint(sizes, t.options().device(c10::kMeta)));
+    call.push_back(map_tensors(args[a], batched[a], [&](const at::Tensor& t, bool is_batched) {
+      if (!device) {
+        device = t.device();
+      }
+      const auto sizes = is_batched ? t.sym_sizes().slice(1) : t.sym_sizes();
+      return at::empty_symint(sizes, t.options().device(c10::kMeta));
+    }));
   }
   try {
     op.callBoxed(call);
@@ -621,24 +661,15 @@ void BatchedKernel::run_loop_empty(
         ".register_fake(fn) that returns empty tensors of the output shapes.");
   }
   for (size_t r = 0; r < num_returns; ++r) {
-    TORCH_CHECK(
-        call[r].isTensor(),
-        "torch_autobatch: vmap=\"loop\" of ",
-        state_->qualname,
-        " supports tensor outputs only; output ",
-        r,
-        " is a ",
-        call[r].tagKind());
+    check_loop_output(call[r], r);
     const at::Tensor& meta = call[r].toTensor();
     std::vector<c10::SymInt> sizes{c10::SymInt(0)};
     for (const auto& d : meta.sym_sizes()) {
       sizes.push_back(d);
     }
-    const auto device = options ? options->device() : c10::Device(c10::kCPU);
+    const auto options = meta.options().device(device.value_or(c10::Device(c10::kCPU)));
     torch::jit::push(
-        *stack,
-        at::functorch::makeBatched(
-            at::empty_symint(sizes, meta.options().device(device)), 0, level));
+        *stack, at::functorch::makeBatched(at::empty_symint(sizes, options), 0, level));
   }
 }
 

@@ -189,30 +189,34 @@ void call_on_stack(
   const auto& arguments = schema.arguments();
   const size_t num_args = arguments.size();
   const auto args = torch::jit::last(*stack, num_args);
-  size_t num_positional = 0;
-  while (num_positional < num_args && !arguments[num_positional].kwarg_only()) {
-    ++num_positional;
-  }
+  // NOTE [The function gets its arguments as torch passes them]
+  const PassedArguments passed = passed_arguments(args, arguments);
+  const size_t num_passed = passed.num_positional + passed.keywords.size();
   // Slot 0 is free for the callee (PY_VECTORCALL_ARGUMENTS_OFFSET).
-  c10::SmallVector<py::object, 8> owned(num_args);
-  c10::SmallVector<PyObject*, 9> argv(num_args + 1, nullptr);
-  for (size_t a = 0; a < num_args; ++a) {
+  c10::SmallVector<py::object, 8> owned(num_passed);
+  c10::SmallVector<PyObject*, 9> argv(num_passed + 1, nullptr);
+  auto pass = [&](size_t slot, size_t a) {
     // NOTE [Op values reach Python by their schema type]
-    owned[a] = to_py(args[a], *arguments[a].real_type());
-    argv[a + 1] = owned[a].ptr();
+    owned[slot] = to_py(args[a], *arguments[a].real_type());
+    argv[slot + 1] = owned[slot].ptr();
+  };
+  for (size_t a = 0; a < passed.num_positional; ++a) {
+    pass(a, a);
   }
   py::object kwnames;
-  if (num_positional < num_args) {
-    py::tuple names(num_args - num_positional);
-    for (size_t a = num_positional; a < num_args; ++a) {
-      names[a - num_positional] = py::str(arguments[a].name());
+  if (!passed.keywords.empty()) {
+    py::tuple names(passed.keywords.size());
+    for (size_t k = 0; k < passed.keywords.size(); ++k) {
+      const size_t a = passed.keywords[k];
+      pass(passed.num_positional + k, a);
+      names[k] = py::str(arguments[a].name());
     }
     kwnames = std::move(names);
   }
   PyObject* out = PyObject_Vectorcall(
       fn.ptr(),
       argv.data() + 1,
-      num_positional | PY_VECTORCALL_ARGUMENTS_OFFSET,
+      passed.num_positional | PY_VECTORCALL_ARGUMENTS_OFFSET,
       kwnames ? kwnames.ptr() : nullptr);
   if (out == nullptr) {
     throw py::error_already_set();

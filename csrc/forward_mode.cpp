@@ -289,8 +289,9 @@ void set_output_tangents(
         rng_after_primal.emplace(rng_before_primal->current());
         rng_before_primal->restore();
       }
-      py::tuple result = call_method(
-          opdef, names.composite_tangents, {to_py_tuple(args, schema.arguments())});
+      // NOTE [The function gets its arguments as torch passes them]
+      const auto [call_args, call_kwargs] = to_py_call(args, schema.arguments());
+      py::tuple result = call_method(opdef, names.composite_tangents, {call_args, call_kwargs});
       if (rng_after_primal) {
         rng_after_primal->restore();
       }
@@ -317,13 +318,19 @@ void set_jvp_tangents_below_vmap(
     const std::vector<Slot>& arg_slots,
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<Slot>& ret_slots) {
+  // A tensor of this level: a TensorWrapper of the Jvp level, or at the base
+  // a plain tensor (a dual tensor of forward-mode AD).
+  auto at_this_level = [&](const at::Tensor& t) {
+    return t.defined() &&
+        (level == kBaseLevel ? at::functorch::maybeGetTensorWrapper(t) == nullptr
+                             : functorch::is_wrapped_at(t, level));
+  };
   std::vector<at::Tensor> primals(in.size());
   std::vector<at::Tensor> tangents(in.size());
   bool any = false;
   for (size_t k = 0; k < in.size(); ++k) {
     primals[k] = in[k];
-    if (in[k].defined() && functorch::is_wrapped_at(in[k], level) &&
-        torch::autograd::isFwGradDefined(in[k])) {
+    if (at_this_level(in[k]) && torch::autograd::isFwGradDefined(in[k])) {
       tangents[k] = in[k]._fw_grad(0);
       primals[k] = in[k]._fw_primal(0);
       any = true;
@@ -392,7 +399,7 @@ void set_jvp_tangents_below_vmap(
   }
   std::vector<at::Tensor> at_level(out.size());
   for (size_t k = 0; k < out.size(); ++k) {
-    if (out[k].defined() && functorch::is_wrapped_at(out[k], level)) {
+    if (at_this_level(out[k])) {
       at_level[k] = out[k];
     }
   }

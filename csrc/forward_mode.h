@@ -45,10 +45,14 @@ void set_output_tangents(
     const std::vector<at::Tensor>& outputs,
     const std::optional<RngStates>& rng_before_primal);
 
+// The level of forward-mode AD's own dual tensors, below every functorch level.
+constexpr int64_t kBaseLevel = 0;
+
 // The batched kernel's half (NOTE [Forward mode under vmap]): at the Jvp
-// level `level` below one or more vmap levels, the registered jvp on this
-// level's primals and tangents (`in`, `out`: the op's flat tensors at this
-// level), re-entering `frames_inner_first` so it sees each example's shapes.
+// level `level` below one or more vmap levels (or at kBaseLevel), the
+// registered jvp on this level's primals and tangents (`in`, `out`: the op's
+// flat tensors at this level), re-entering `frames_inner_first` so it sees
+// each example's shapes.
 // `args`/`returns`: the op's arguments and returns as the batched kernel got
 // and made them (for their non-tensor values). Takes the GIL itself.
 void set_jvp_tangents_below_vmap(

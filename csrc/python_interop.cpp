@@ -131,6 +131,52 @@ py::tuple to_py_tuple(
   return out;
 }
 
+namespace {
+
+bool is_default(const c10::IValue& value, const c10::Argument& arg) {
+  const auto& def = arg.default_value();
+  return def.has_value() && *def == value;
+}
+
+} // namespace
+
+PassedArguments passed_arguments(
+    c10::ArrayRef<c10::IValue> values,
+    const std::vector<c10::Argument>& schema) {
+  TORCH_INTERNAL_ASSERT(values.size() == schema.size());
+  PassedArguments passed;
+  size_t first_kwarg = 0;
+  while (first_kwarg < schema.size() && !schema[first_kwarg].kwarg_only()) {
+    ++first_kwarg;
+  }
+  passed.num_positional = first_kwarg;
+  while (passed.num_positional > 0 &&
+         is_default(values[passed.num_positional - 1], schema[passed.num_positional - 1])) {
+    --passed.num_positional;
+  }
+  for (size_t a = first_kwarg; a < schema.size(); ++a) {
+    if (!is_default(values[a], schema[a])) {
+      passed.keywords.push_back(a);
+    }
+  }
+  return passed;
+}
+
+std::pair<py::tuple, py::dict> to_py_call(
+    c10::ArrayRef<c10::IValue> values,
+    const std::vector<c10::Argument>& schema) {
+  const PassedArguments passed = passed_arguments(values, schema);
+  py::tuple args(passed.num_positional);
+  for (size_t a = 0; a < passed.num_positional; ++a) {
+    args[a] = to_py(values[a], *schema[a].real_type());
+  }
+  py::dict kwargs;
+  for (size_t a : passed.keywords) {
+    kwargs[py::str(schema[a].name())] = to_py(values[a], *schema[a].real_type());
+  }
+  return {std::move(args), std::move(kwargs)};
+}
+
 void rethrow_python_error(py::error_already_set& e) {
   // Hand the exception over as torch's python_error: torch's bindings and the
   // autograd engine re-raise it in Python unchanged (type, message, traceback)

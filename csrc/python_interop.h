@@ -7,9 +7,11 @@
 
 #include <ATen/core/function_schema.h>
 #include <ATen/core/ivalue.h>
+#include <c10/util/SmallVector.h>
 #include <pybind11/pybind11.h>
 
 #include <initializer_list>
+#include <utility>
 
 namespace torch_autobatch {
 
@@ -96,6 +98,27 @@ py::object to_py(const c10::IValue& value, const c10::Type& type);
 // One value per schema argument (or return), in order: `values[i]` has type
 // `schema[i].real_type()`.
 py::tuple to_py_tuple(
+    c10::ArrayRef<c10::IValue> values,
+    const std::vector<c10::Argument>& schema);
+
+// NOTE [The function gets its arguments as torch passes them]
+// torch's Python kernels, and so torch.library.custom_op's function and its
+// register_vmap rule, receive an op's arguments as torch's boxed-to-Python
+// conversion makes them: the positional ones up to the last one that differs
+// from its schema default, the keyword-only ones by name unless equal to
+// their default; the function's own Python defaults stand for the rest.
+// (setup_context's `inputs` hold every argument.) Where we call the function
+// or the rule ourselves, we pass the same.
+struct PassedArguments {
+  size_t num_positional = 0; // arguments 0 .. num_positional-1, by position
+  c10::SmallVector<size_t, 4> keywords; // keyword-only arguments passed, by index
+};
+PassedArguments passed_arguments(
+    c10::ArrayRef<c10::IValue> values,
+    const std::vector<c10::Argument>& schema);
+// The arguments as (positional tuple, keyword dict), by PassedArguments.
+// Requires the GIL.
+std::pair<py::tuple, py::dict> to_py_call(
     c10::ArrayRef<c10::IValue> values,
     const std::vector<c10::Argument>& schema);
 

@@ -141,6 +141,27 @@ class TestCustomJvp(TestCase):
         out.sum().backward()
         self.assertEqual(xr.grad, grad(lambda x: f_rev(x, y).sum())(x))
 
+    def test_dual_tensors_under_vmap(self):
+        # Forward-mode AD's dual tensors (the base level) through vmap(op):
+        # the registered jvp gives the tangent (it was silently None).
+        x, y, tx, ty = self.x, self.y, self.tx, self.ty
+        for in_dims, args, tangents in [
+            ((0, 0), (x, y), (tx, ty)),
+            ((0, None), (x, y[0]), (tx, None)),
+            ((None, 0), (x[0], y), (tx[0], None)),
+        ]:
+            with self.subTest(in_dims=in_dims):
+                with fwAD.dual_level():
+                    duals = [a if t is None else fwAD.make_dual(a, t) for a, t in zip(args, tangents)]
+                    got = fwAD.unpack_dual(vmap(f, in_dims=in_dims)(*duals))
+                    want = fwAD.unpack_dual(vmap(f_fwd, in_dims=in_dims)(*duals))
+                self.assertIsNotNone(got.tangent)
+                self.assertEqual(got.primal, want.primal)
+                self.assertEqual(got.tangent, want.tangent)
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(vmap(vmap(f))(fwAD.make_dual(x[None], tx[None]), y[None]))
+        self.assertEqual(out.tangent, 3 * _df(x, y, tx, None)[None])
+
     def test_nested_forward(self):
         x, y, tx = self.x[0], self.y[0], self.tx[0]
         self.assertEqual(
@@ -280,7 +301,32 @@ class TestDerivedJvp(TestCase):
             self.assertEqual(after_op, after_plain, msg=name)
 
 
+# NOTE [One gate for every user tangent] (csrc/forward_mode.cpp): every path
+# that runs a registered jvp, at every nesting. Per-example shapes are the
+# same in each, so each must raise the same error.
+JVP_PATHS = {
+    "jvp": lambda op: jvp(op, (randn(3),), (randn(3),)),
+    "vmap_of_jvp": lambda op: vmap(lambda x, t: jvp(op, (x,), (t,)))(randn(2, 3), randn(2, 3)),
+    "jvp_of_vmap": lambda op: jvp(vmap(op), (randn(2, 3),), (randn(2, 3),)),
+    "jvp_of_vmap_of_vmap": lambda op: jvp(vmap(vmap(op)), (randn(2, 2, 3),), (randn(2, 2, 3),)),
+    "jacfwd": lambda op: jacfwd(op)(randn(3)),
+    "jacfwd_of_vmap": lambda op: jacfwd(vmap(op))(randn(2, 3)),
+    "jacfwd_of_jacfwd": lambda op: jacfwd(jacfwd(op))(randn(3)),
+    "jvp_of_jvp": lambda op: jvp(lambda x: jvp(op, (x,), (randn(3),))[1], (randn(3),), (randn(3),)),
+    "hessian": lambda op: hessian(lambda x: op(x).sum())(randn(3)),
+    "dual_tensors": lambda op: _dual(op, randn(3)),
+    "dual_tensors_of_vmap": lambda op: _dual(vmap(op), randn(2, 3)),
+}
+
+
+def _dual(f, x):
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(f(fwAD.make_dual(x, torch.randn_like(x))))
+
+
 class TestBadJvp(TestCase):
+    """A jvp returning the wrong thing is refused on every path, with one message."""
+
     def _op(self, name, jvp_fn):
         @torch_autobatch.custom_op(f"tab_fwd::{name}", mutates_args=())
         def op(x: torch.Tensor) -> torch.Tensor:
@@ -290,14 +336,19 @@ class TestBadJvp(TestCase):
             return jvp_fn(t)
 
         op.register_jvp(bad_jvp)
+        # hessian differentiates the backward in forward mode: let the
+        # backward run the op again, so its jvp is reached there too.
+        op.register_autograd(lambda ctx, g: g * op(ctx.x + torch.pi / 2), setup_context=_save_x)
         return op
 
     def check(self, name, jvp_fn, expected):
         op = self._op(name, jvp_fn)
-        with self.assertRaises(RuntimeError) as cm:
-            jvp(op, (randn(3),), (randn(3),))
-        self.assertEqual(str(cm.exception).split("\n")[0], expected)
-        self.assertIsNone(torch._C._functorch.maybe_current_level())
+        for path, run in JVP_PATHS.items():
+            with self.subTest(path=path):
+                with self.assertRaises(RuntimeError) as cm:
+                    run(op)
+                self.assertEqual(str(cm.exception).split("\n")[0], expected)
+                self.assertIsNone(torch._C._functorch.maybe_current_level())
 
     def test_wrong_count(self):
         self.check(
@@ -311,13 +362,14 @@ class TestBadJvp(TestCase):
     def test_wrong_shape(self):
         self.check(
             "bad_shape",
-            lambda t: t[:2],
+            lambda t: t[..., :2],
             "torch_autobatch: the jvp of tab_fwd::bad_shape (TestBadJvp._op.<locals>.bad_jvp) "
             "returned a tangent of shape [2] for output 0, which has shape [3]. Return a "
             "tangent of the output's shape.",
         )
 
     def test_wrong_dtype(self):
+        # Silently kept under jvp(vmap(op)) before the gate was shared.
         self.check(
             "bad_dtype",
             lambda t: t.float(),
@@ -327,12 +379,47 @@ class TestBadJvp(TestCase):
         )
 
     def test_wrong_type(self):
+        # A segfault under jvp(vmap(op)) before the gate was shared.
         self.check(
             "bad_type",
             lambda t: 3,
             "torch_autobatch: the jvp of tab_fwd::bad_type (TestBadJvp._op.<locals>.bad_jvp) "
             "returned a value of type int as the tangent of output 0; expected a Tensor or None.",
         )
+
+    def test_wrong_device(self):
+        self.check(
+            "bad_device",
+            lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"),
+            "torch_autobatch: the jvp of tab_fwd::bad_device (TestBadJvp._op.<locals>.bad_jvp) "
+            "returned a tangent on device meta for output 0, which is on cpu. Move it with "
+            ".to(output.device).",
+        )
+
+    def test_wrong_list_length(self):
+        @torch_autobatch.custom_op("tab_fwd::bad_list", mutates_args=())
+        def op(x: torch.Tensor) -> list[torch.Tensor]:
+            return [x.sin(), x.cos()]
+
+        op.register_jvp(lambda ctx, t: [t])
+        expected = (
+            "torch_autobatch: the jvp of tab_fwd::bad_list (TestBadJvp.test_wrong_list_length."
+            "<locals>.<lambda>) returned ["
+        )
+        for path in ("jvp", "jvp_of_vmap", "vmap_of_jvp"):
+            with self.subTest(path=path):
+                with self.assertRaises(RuntimeError) as cm:
+                    {
+                        "jvp": lambda: jvp(op, (randn(3),), (randn(3),)),
+                        "jvp_of_vmap": lambda: jvp(vmap(op), (randn(2, 3),), (randn(2, 3),)),
+                        "vmap_of_jvp": lambda: vmap(lambda x: jvp(op, (x,), (x,)))(randn(2, 3)),
+                    }[path]()
+                self.assertTrue(str(cm.exception).startswith(expected), str(cm.exception))
+                self.assertIn("a list of 2 tensors", str(cm.exception))
+
+
+def _save_x(ctx, inputs, output):
+    ctx.x = inputs[0]
 
 
 if __name__ == "__main__":

@@ -426,9 +426,8 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         n = len(args) - len(self._ab.kwarg_only)
         return args[:n], dict(zip(self._ab.kwarg_only, args[n:]))
 
-    def _run_vmap_rule(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The register_vmap rule on the batched ``args``, by torch's helper; one value per return."""
-        positional, kwargs = self._split_args(args)
+    def _run_vmap_rule(self, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The register_vmap rule on the batched arguments, by torch's helper; one value per return."""
         out = custom_function_call_vmap_helper(
             retrieve_current_functorch_interpreter(),
             self._vmap_fn,
@@ -586,9 +585,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         # tangent] in csrc/forward_mode.cpp).
         return (result,) if self._ab.num_returns == 1 and not isinstance(result, tuple) else result
 
-    def _composite_tangents(self, args: tuple[Any, ...]) -> tuple[Optional[torch.Tensor], ...]:
+    def _composite_tangents(
+        self, positional: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Optional[torch.Tensor], ...]:
         """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
-        positional, kwargs = self._split_args(args)
         try:
             out = self._init_fn(*positional, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
