@@ -627,7 +627,10 @@ void BatchedKernel::check_loop_output(const c10::IValue& out, size_t r) const {
 // A batch of no examples: the outputs have the shapes one example would
 // give, with a batch dimension of 0, as for a plain function. Those shapes
 // come from the op's fake kernel (register_fake, or the function itself) on
-// meta tensors of one example's shape: no example is run.
+// meta tensors of one example's shape, where it can run there; else from the
+// function run once on zeros of that shape (a vmap="loop" function often
+// reads values: .item()). Its outputs are dropped: only their shapes and
+// dtypes are used.
 void BatchedKernel::run_loop_empty(
     const c10::OperatorHandle& op,
     const std::vector<c10::IValue>& args,
@@ -636,38 +639,49 @@ void BatchedKernel::run_loop_empty(
     torch::jit::Stack* stack) const {
   const size_t num_returns = op.schema().returns().size();
   std::optional<c10::Device> device;
-  torch::jit::Stack call;
-  for (size_t a = 0; a < args.size(); ++a) {
-    call.push_back(map_tensors(args[a], batched[a], [&](const at::Tensor& t, bool is_batched) {
-      if (!device) {
-        device = t.device();
-      }
-      const auto sizes = is_batched ? t.sym_sizes().slice(1) : t.sym_sizes();
-      return at::empty_symint(sizes, t.options().device(c10::kMeta));
-    }));
-  }
-  try {
+  auto one_example = [&](bool on_meta) {
+    torch::jit::Stack call;
+    for (size_t a = 0; a < args.size(); ++a) {
+      call.push_back(map_tensors(args[a], batched[a], [&](const at::Tensor& t, bool is_batched) {
+        device = device.value_or(t.device());
+        const auto sizes = is_batched ? t.sym_sizes().slice(1) : t.sym_sizes();
+        return on_meta ? at::empty_symint(sizes, t.options().device(c10::kMeta))
+                       : is_batched ? at::zeros_symint(sizes, t.options()) : t;
+      }));
+    }
     op.callBoxed(call);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
-        "torch_autobatch: vmap=\"loop\" of ",
-        state_->qualname,
-        " over a batch of size 0 needs the shapes of one example's outputs, "
-        "which come from the op's fake kernel on meta tensors; that failed: ",
-        e.what_without_backtrace(),
-        "\nRegister a fake kernel with ",
-        state_->qualname.substr(state_->qualname.find("::") + 2),
-        ".register_fake(fn) that returns empty tensors of the output shapes.");
+    return call;
+  };
+  torch::jit::Stack outs;
+  try {
+    outs = one_example(/*on_meta=*/true);
+  } catch (const std::exception& on_meta) {
+    const std::string why = on_meta.what();
+    try {
+      outs = one_example(/*on_meta=*/false);
+    } catch (const std::exception& on_zeros) {
+      TORCH_CHECK(
+          false,
+          "torch_autobatch: vmap=\"loop\" of ",
+          state_->qualname,
+          " over a batch of size 0 needs the shapes of one example's outputs. The "
+          "op's fake kernel failed on meta tensors:\n",
+          why,
+          "\nand its function failed on zeros of one example's shape:\n",
+          on_zeros.what(),
+          "\nRegister a fake kernel with ",
+          state_->qualname.substr(state_->qualname.find("::") + 2),
+          ".register_fake(fn) that returns empty tensors of the output shapes.");
+    }
   }
   for (size_t r = 0; r < num_returns; ++r) {
-    check_loop_output(call[r], r);
-    const at::Tensor& meta = call[r].toTensor();
+    check_loop_output(outs[r], r);
+    const at::Tensor& example = outs[r].toTensor();
     std::vector<c10::SymInt> sizes{c10::SymInt(0)};
-    for (const auto& d : meta.sym_sizes()) {
+    for (const auto& d : example.sym_sizes()) {
       sizes.push_back(d);
     }
-    const auto options = meta.options().device(device.value_or(c10::Device(c10::kCPU)));
+    const auto options = example.options().device(device.value_or(c10::Device(c10::kCPU)));
     torch::jit::push(
         *stack, at::functorch::makeBatched(at::empty_symint(sizes, options), 0, level));
   }

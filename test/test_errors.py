@@ -499,6 +499,41 @@ class TestUserExceptions(StateCheckMixin, TestCase):
         modes = set(self._modes()) - {"plain"}
         self._check(op, "setup_context failed", 9, modes)
 
+    def test_user_runtime_error_subclass_unchanged_under_vmap_and_derived_jvp(self):
+        # Its words ("vmap", "storage", "data pointer", "forward") look like
+        # torch's batching and forward-mode failures, which get our advice
+        # appended; a user's own exception class is never rewritten.
+        class WordyError(RuntimeError):
+            pass
+
+        calls = []
+        msg = "vmap storage data pointer forward: the user's own words"
+
+        @torch_autobatch.custom_op(f"{NS}::err_wordy", mutates_args=())
+        def op(x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) >= raise_at[0]:
+                raise WordyError(msg)
+            return x.sin()
+
+        raise_at = [1]
+        cases = {
+            "vmap": (1, lambda: vmap(op)(_x(2, 3))),
+            "vmap_of_grad": (1, lambda: vmap(grad(lambda x: op(x).sum()))(_x(2, 3))),
+            # the second call is the tangent run of the derived jvp
+            "jvp_derived": (2, lambda: jvp(op, (_x(3),), (_x(3),))),
+            "dual_derived": (2, lambda: _dual_call(op, _x(3))),
+        }
+        for name, (at, run) in cases.items():
+            with self.subTest(path=name):
+                calls.clear()
+                raise_at[0] = at
+                with self.assertRaises(WordyError) as cm:
+                    run()
+                self.assertIs(type(cm.exception), WordyError)
+                self.assertEqual(str(cm.exception), msg)
+                self.assertCleanState()
+
     def test_exception_object_identity_and_traceback(self):
         raised = []
 
@@ -524,6 +559,60 @@ class TestUserExceptions(StateCheckMixin, TestCase):
         self.assertIn("backward", frames)  # the user's frame is in the traceback
         del caught
         self.assertCleanState()
+
+
+def _dual_call(op, x):
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(op(fwAD.make_dual(x, torch.ones_like(x))))
+
+
+class TestFakeKernelErrors(TestCase):
+    """The default fake kernel is the op's function: its failure says so, and names register_fake."""
+
+    @staticmethod
+    def _numpy_op(name):
+        @torch_autobatch.custom_op(f"{NS}::{name}", mutates_args=())
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(x.numpy() * 2)
+
+        return op
+
+    def test_fake_tensor_mode(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        op = self._numpy_op("err_fake_numpy")
+        with self.assertRaises(RuntimeError) as cm:
+            with FakeTensorMode() as mode:
+                op(mode.from_tensor(torch.ones(3)))
+        self.assertExpectedInline(
+            str(cm.exception),
+            """\
+.numpy() is not supported for tensor subclasses.
+torch_autobatch: tab_test::err_fake_numpy has no fake kernel, so its own function ran as one (on fake or meta tensors: torch.compile, torch.export, FakeTensorMode, DTensor sharding propagation), and that failed (above). Register a fake kernel with err_fake_numpy.register_fake(fn): a function of the same arguments that returns empty tensors of the output shapes (torch.empty_like, x.new_empty).""",
+        )
+
+    def test_meta_and_compile(self):
+        op = self._numpy_op("err_meta_numpy")
+        with self.assertRaisesRegex(TypeError, r"(?s)meta.*err_meta_numpy.register_fake\(fn\)"):
+            op(torch.ones(3, device="meta"))
+        torch._dynamo.reset()
+        with self.assertRaisesRegex(Exception, r"(?s)err_meta_numpy has no fake kernel.*register_fake"):
+            torch.compile(op, backend="eager", fullgraph=True)(torch.ones(3))
+        # with one registered, the user's own fake kernel's errors are its own
+        op.register_fake(lambda x: torch.empty_like(x))
+        self.assertEqual(op(torch.ones(3, device="meta")).shape, (3,))
+
+    def test_torch_control_exceptions_pass_through(self):
+        # torch's own subclasses (data-dependent output, ...) are torch's to handle.
+        from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+        @torch_autobatch.custom_op(f"{NS}::err_fake_item", mutates_args=())
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return x * x.sum().item()
+
+        with self.assertRaises(DataDependentOutputException):
+            with FakeTensorMode() as mode:
+                op(mode.from_tensor(torch.ones(3)))
 
 
 class TestOpCallErrors(TestCase):

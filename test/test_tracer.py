@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -760,6 +761,22 @@ class TestErrors(TestCase):
         with self.assertRaises(RuntimeError) as cm:
             t.to_fx()
         self.assertIn("inside a torch.func transform", str(cm.exception))
+
+    def test_python_numbers_inside_vmap_of_grad(self):
+        # `x * 2` under vmap(grad(f)): the 2 reaches the recorder as a
+        # wrapped number inside a grad level's wrapper, without storage of its
+        # own. It was a failed record with a 40-frame C++ backtrace.
+        def f(x):
+            return (x.sin() * 2).sum()
+
+        x = torch.randn(3, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with trace() as t:
+                got = torch.func.vmap(torch.func.grad(f))(x)
+        self.assertEqual(got, 2 * x.cos())
+        self.assertEqual([str(w.message) for w in caught if "could not record" in str(w.message)], [])
+        self.assertIn("aten.mul.Tensor(%4, 2)", str(t))  # in the backward, the 2 as a number
 
     def test_name_of_unknown_tensor(self):
         with trace() as t:

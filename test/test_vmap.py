@@ -362,6 +362,56 @@ class TestVmap(TestCase):
             vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x)
         )
 
+    def test_loop_mode_over_no_examples(self):
+        # A result with a batch dimension of 0, of one example's shape and
+        # dtype (torch's loop fallback refuses B=0): from the fake kernel, or
+        # from the function run once on zeros where that cannot run on meta.
+        @torch_autobatch.custom_op("tab_vmap::looped_pair", mutates_args=(), vmap="loop")
+        def pair(xs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+            return (xs[0] * xs[1].sum().item() + w).to(torch.float32)
+
+        @pair.register_fake
+        def _(xs, w):
+            return torch.empty_like(xs[0], dtype=torch.float32)
+
+        x, w = randn(0, 3), randn(3)
+        got = vmap(looped)(x)
+        self.assertEqual((got.shape, got.dtype), ((0, 3), torch.float64))
+        got = vmap(lambda x, w: pair([x, x], w), in_dims=(0, None))(x, w)
+        self.assertEqual((got.shape, got.dtype), ((0, 3), torch.float32))
+        self.assertEqual(vmap(vmap(looped))(randn(2, 0, 3)).shape, (2, 0, 3))
+
+    def test_loop_mode_over_no_examples_without_a_usable_fake_kernel(self):
+        @torch_autobatch.custom_op("tab_vmap::looped_numpy", mutates_args=(), vmap="loop")
+        def looped_numpy(x: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(x.numpy() * 2)
+
+        x = randn(2, 3)
+        self.assertEqual(vmap(looped_numpy)(x), 2 * x)
+        # its fake kernel cannot run on meta tensors: its function runs once on zeros
+        self.assertEqual(vmap(looped_numpy)(randn(0, 3)).shape, (0, 3))
+
+        @torch_autobatch.custom_op("tab_vmap::looped_broken", mutates_args=(), vmap="loop")
+        def looped_broken(x: torch.Tensor) -> torch.Tensor:
+            return x * (1 / x.sum().item())  # .item(): not on meta; 1/0 on zeros
+
+        with self.assertRaises(RuntimeError) as cm:
+            vmap(looped_broken)(randn(0, 3))
+        msg = str(cm.exception)
+        self.assertIn('vmap="loop" of tab_vmap::looped_broken over a batch of size 0', msg)
+        self.assertIn("looped_broken.register_fake(fn)", msg)
+
+    def test_loop_mode_tensor_list_argument(self):
+        @torch_autobatch.custom_op("tab_vmap::looped_list", mutates_args=(), vmap="loop")
+        def looped_list(xs: list[torch.Tensor], s: float) -> torch.Tensor:
+            return xs[0] * xs[1].sum().item() * s
+
+        a, b = randn(4, 3), randn(4, 2)
+        got = vmap(lambda a, b: looped_list([a, b], 2.0))(a, b)
+        self.assertEqual(got, loop(lambda a, b: a * b.sum() * 2.0, a, b))
+        got = vmap(lambda a: looped_list([a, b[0]], 2.0))(a)
+        self.assertEqual(got, loop(lambda a: a * b[0].sum() * 2.0, a))
+
     def test_exception_in_batched_backward_or_jvp_leaves_state_clean(self):
         class MyError(Exception):
             pass

@@ -168,11 +168,12 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             num_returns=len(self._opoverload._schema.returns),
         )
         self._ab.setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
-        registration = _C._register_op(self._qualname, self)
-        self._ab.registration = registration
+        self._ab.registration = _C._register_op(self._qualname, self)
         # NOTE [Kernels die with their op] (csrc/registration.cpp): torch
         # destroying the op's Library (a redefinition) takes our kernels too.
-        self._lib._registration_handles.append(_library_utils.RegistrationHandle(registration.destroy))
+        # The handle holds the op, as torch's own kernels on that Library do
+        # (torch's OPDEFS holds ops weakly): the op lives while its Library does.
+        self._lib._registration_handles.append(_library_utils.RegistrationHandle(self._destroy_kernels))
         if vmap == "loop":
             self._ab.registration.set_vmap_mode(_VMAP_LOOP)
         elif self._vmap_fn is not None:
@@ -184,6 +185,10 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         # __annotations__: missing, it cost an AttributeError raised and caught
         # each time (0.7 us).
         self.__annotations__ = self._init_fn.__annotations__
+
+    def _destroy_kernels(self) -> None:
+        """Deregisters our C++ kernels (torch destroying the op's Library calls this)."""
+        self._ab.registration.destroy()
 
     # The op's function, for introspection (inspect.signature, inspect.unwrap,
     # help()); properties rather than instance attributes, which vmap(op)

@@ -1,0 +1,132 @@
+"""Our kernels live no longer than the op definition they were registered for.
+
+NOTE [Kernels die with their op] (csrc/registration.cpp): torch.library lets a
+name be defined again; kernels of ours left behind would serve the new op
+(under vmap it ran the old op's function: silently wrong). Each way a
+definition goes away is covered: a redefinition by torch.library.custom_op or
+by ours, of an op we upgraded with autobatch(), the destruction of the
+torch.library.Library that defined an op we upgraded, and garbage collection.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import torch
+from torch.func import grad, vmap
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_autobatch
+
+NS = "tab_lifetime"
+
+
+def _has_kernel(qualname: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)
+
+
+def _vmap_quietly(fn, x):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's loop fallback warns about speed
+        return vmap(fn)(x)
+
+
+class TestRedefinition(TestCase):
+    def setUp(self):
+        super().setUp()
+        self.x = torch.randn(4, 3, dtype=torch.float64)
+
+    def _ours(self, name: str, fn=torch.sin, backward_scale: float = 2.0):
+        op = torch_autobatch.custom_op(f"{NS}::{name}", lambda x: fn(x), mutates_args=(), schema="(Tensor x) -> Tensor")
+        op.register_autograd(
+            lambda ctx, g: backward_scale * g * torch.cos(ctx.x),
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+        )
+        return op
+
+    def test_redefined_by_torch_library(self):
+        self._ours("by_torch")
+
+        @torch.library.custom_op(f"{NS}::by_torch", mutates_args=())
+        def f_new(x: torch.Tensor) -> torch.Tensor:
+            return torch.cos(x)
+
+        self.assertFalse(_has_kernel(f"{NS}::by_torch", "FuncTorchBatched"))
+        self.assertEqual(_vmap_quietly(f_new, self.x), torch.cos(self.x))
+        self.assertEqual(f_new(self.x), torch.cos(self.x))
+
+    def test_redefined_by_ours(self):
+        self._ours("by_ours")
+        new = self._ours("by_ours", fn=torch.tanh, backward_scale=3.0)
+        self.assertEqual(vmap(new)(self.x), torch.tanh(self.x))
+        self.assertEqual(grad(lambda x: new(x).sum())(self.x), 3 * torch.cos(self.x))
+        self.assertEqual(vmap(grad(lambda x: new(x).sum()))(self.x), 3 * torch.cos(self.x))
+
+    def test_upgraded_op_redefined(self):
+        @torch.library.custom_op(f"{NS}::upgraded", mutates_args=())
+        def f_old(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x)
+
+        torch_autobatch.autobatch(f_old)
+
+        @torch.library.custom_op(f"{NS}::upgraded", mutates_args=())
+        def f_new(x: torch.Tensor) -> torch.Tensor:
+            return torch.cos(x)
+
+        self.assertFalse(_has_kernel(f"{NS}::upgraded", "FuncTorchBatched"))
+        self.assertEqual(_vmap_quietly(f_new, self.x), torch.cos(self.x))
+
+    def test_library_of_an_upgraded_op_destroyed(self):
+        # Neither torch.library.custom_op's teardown nor ours sees this one:
+        # the dispatcher's listener does.
+        lib = torch.library.Library(NS, "FRAGMENT")
+        lib.define("from_library(Tensor x) -> Tensor")
+        lib.impl("from_library", lambda x: torch.sin(x), "CompositeExplicitAutograd")
+        torch_autobatch.autobatch(f"{NS}::from_library")
+        self.assertEqual(vmap(torch.ops.tab_lifetime.from_library)(self.x), torch.sin(self.x))
+        lib._destroy()
+
+        lib2 = torch.library.Library(NS, "FRAGMENT")
+        lib2.define("from_library(Tensor x) -> Tensor")
+        lib2.impl("from_library", lambda x: torch.cos(x), "CompositeExplicitAutograd")
+        try:
+            got = _vmap_quietly(torch.ops.tab_lifetime.from_library, self.x)
+            self.assertEqual(got, torch.cos(self.x))
+            self.assertFalse(_has_kernel(f"{NS}::from_library", "FuncTorchBatched"))
+            self.assertEqual(torch.ops.tab_lifetime.from_library(self.x), torch.cos(self.x))
+        finally:
+            lib2._destroy()
+
+    def test_old_graph_still_uses_the_old_backward(self):
+        old = self._ours("old_graph")
+        xr = self.x.clone().requires_grad_()
+        y = old(xr).sum()
+        del old
+        self._ours("old_graph", fn=torch.tanh, backward_scale=5.0)
+        gc.collect()
+        y.backward()
+        self.assertEqual(xr.grad, 2 * torch.cos(self.x))
+
+    def test_redefined_op_object_is_collected(self):
+        old = self._ours("collected")
+        ref = weakref.ref(old)
+        registration = weakref.ref(old._ab.registration)
+        del old
+        self._ours("collected", fn=torch.tanh)
+        gc.collect()
+        self.assertIsNone(ref(), "the old op object is kept alive")
+        self.assertIsNone(registration(), "its kernels' registration is kept alive")
+
+    def test_registration_destroy(self):
+        op = self._ours("destroyed")
+        self.assertTrue(op._ab.registration.registered)
+        op._ab.registration.destroy()
+        self.assertFalse(op._ab.registration.registered)
+        self.assertFalse(_has_kernel(f"{NS}::destroyed", "FuncTorchBatched"))
+        op._ab.registration.destroy()  # idempotent
+
+
+if __name__ == "__main__":
+    run_tests()
