@@ -10,6 +10,7 @@
 #include "python_interop.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/FunctionRef.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -104,6 +105,14 @@ struct Slot {
 std::vector<Slot> flatten_tensors(
     c10::ArrayRef<c10::IValue> values,
     std::vector<at::Tensor>& tensors);
+
+// One Python value per slot (an argument or a return), from the flat
+// tensors: a Tensor (None if undefined), a list of them for a list slot, and
+// `other(i)` for slot i holding no tensor. Requires the GIL.
+py::tuple slots_to_py(
+    const std::vector<at::Tensor>& flat,
+    const std::vector<Slot>& slots,
+    c10::function_ref<py::object(size_t)> other);
 
 // Does a Tensor (or any tensor of a Tensor[]) argument require grad?
 bool any_requires_grad(const c10::IValue& v);

@@ -234,24 +234,9 @@ py::tuple rebuild(
     c10::ArrayRef<c10::IValue> values,
     const std::vector<c10::Argument>& schema,
     bool as_tangent) {
-  py::tuple res(values.size());
-  for (size_t a = 0; a < values.size(); ++a) {
-    const Slot& s = slots[a];
-    if (s.is_list) {
-      py::list l(s.count);
-      for (size_t k = 0; k < s.count; ++k) {
-        const at::Tensor& t = flat[s.first + k];
-        l[k] = t.defined() ? wrap(t) : py::none();
-      }
-      res[a] = l;
-    } else if (s.count == 1) {
-      const at::Tensor& t = flat[s.first];
-      res[a] = t.defined() ? wrap(t) : py::none();
-    } else {
-      res[a] = as_tangent ? py::none() : to_py(values[a], *schema[a].real_type());
-    }
-  }
-  return res;
+  return slots_to_py(flat, slots, [&](size_t a) {
+    return as_tangent ? py::none() : to_py(values[a], *schema[a].real_type());
+  });
 }
 
 } // namespace
@@ -366,9 +351,15 @@ void set_jvp_tangents_below_vmap(
     py::gil_scoped_acquire gil;
     try {
       const py::object opdef = state.opdef();
+      // ctx.needs_input_grad as the Autograd kernel's path gives it: does
+      // the input, at this level, require grad?
       py::tuple needs(args.size());
       for (size_t a = 0; a < args.size(); ++a) {
-        needs[a] = py::bool_(false);
+        bool need = false;
+        for (size_t k = arg_slots[a].first; k < arg_slots[a].first + arg_slots[a].count; ++k) {
+          need = need || (in[k].defined() && in[k].requires_grad());
+        }
+        needs[a] = py::bool_(need);
       }
       py::object result = call_method(
           opdef, py_names().run_jvp,

@@ -289,23 +289,7 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
 }
 
 py::tuple CustomOpNode::wrap_grads(const variable_list& grads) const {
-  auto wrap = [](const at::Tensor& t) {
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
-  };
-  py::tuple out(ret_slots_.size());
-  for (size_t r = 0; r < ret_slots_.size(); ++r) {
-    const Slot& s = ret_slots_[r];
-    if (s.is_list) {
-      py::list l(s.count);
-      for (size_t k = 0; k < s.count; ++k) {
-        l[k] = wrap(grads[s.first + k]);
-      }
-      out[r] = l;
-    } else {
-      out[r] = s.count == 1 ? wrap(grads[s.first]) : py::none();
-    }
-  }
-  return out;
+  return slots_to_py(grads, ret_slots_, [](size_t) { return py::none(); });
 }
 
 void CustomOpNode::fail_backward(const std::string& what) const {

@@ -3,6 +3,7 @@
 #include "autobatch.h"
 #include "functorch.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace torch_autobatch {
@@ -28,6 +29,29 @@ std::vector<Slot> flatten_tensors(
   }
   return slots;
 }
+py::tuple slots_to_py(
+    const std::vector<at::Tensor>& flat,
+    const std::vector<Slot>& slots,
+    c10::function_ref<py::object(size_t)> other) {
+  auto wrap = [](const at::Tensor& t) {
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); // None if undefined
+  };
+  py::tuple out(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const Slot& s = slots[i];
+    if (s.is_list) {
+      py::list l(s.count);
+      for (size_t k = 0; k < s.count; ++k) {
+        l[k] = wrap(flat[s.first + k]);
+      }
+      out[i] = l;
+    } else {
+      out[i] = s.count == 1 ? wrap(flat[s.first]) : other(i);
+    }
+  }
+  return out;
+}
+
 bool any_requires_grad(const c10::IValue& v) {
   if (v.isTensor()) {
     return v.toTensor().requires_grad();

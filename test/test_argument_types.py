@@ -272,7 +272,7 @@ class TestArgumentTypes(TestCase):
         # The fake kernel (the function on fake tensors) while Dynamo traces,
         # then the real kernel at run time.
         if case_id == "generator":
-            self.skipTest("Dynamo does not take a torch.Generator argument to a custom op")
+            self.skipTest("Dynamo does not take a torch.Generator argument to a custom op (torch.library's either)")
         rec = Recorder(case_id, False, "plain")
         args, kwargs = _call_args(case_id, False)
         torch._dynamo.reset()

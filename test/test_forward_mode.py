@@ -162,6 +162,36 @@ class TestCustomJvp(TestCase):
             out = fwAD.unpack_dual(vmap(vmap(f))(fwAD.make_dual(x[None], tx[None]), y[None]))
         self.assertEqual(out.tangent, 3 * _df(x, y, tx, None)[None])
 
+    def test_jvp_setup_context_sees_the_same_ctx_on_every_path(self):
+        # ctx.needs_input_grad in the jvp's setup_context, with and without
+        # vmap around the op (it was all False under vmap).
+        seen = []
+
+        @torch_autobatch.custom_op("tab_fwd::needs", mutates_args=())
+        def op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x * y
+
+        def setup(ctx, inputs, output):
+            seen.append(ctx.needs_input_grad)
+            ctx.save_for_forward(*inputs)
+
+        @op.register_jvp(setup_context=setup)
+        def _(ctx, tx, ty):
+            x, y = ctx.saved_tensors
+            return tx * y
+
+        op.register_autograd(lambda ctx, g: (g, g))
+        x, y, t = randn(3, 4), randn(3, 4), randn(3, 4)
+        for batched in (False, True):
+            for requires_grad in (False, True):
+                with self.subTest(batched=batched, requires_grad=requires_grad):
+                    seen.clear()
+                    xr = x.clone().requires_grad_(requires_grad)
+                    with fwAD.dual_level():
+                        dual = fwAD.make_dual(xr, t)
+                        (vmap(op) if batched else op)(dual, y)
+                    self.assertEqual(seen, [(requires_grad, False)])
+
     def test_nested_forward(self):
         x, y, tx = self.x[0], self.y[0], self.tx[0]
         self.assertEqual(
