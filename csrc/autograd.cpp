@@ -113,7 +113,8 @@ class AutogradKernel final : public c10::OperatorKernel {
     if (needs_node) {
       node = c10::make_intrusive<CustomOpNode>(
           state_, std::move(arg_slots), ret_slots, inputs, inputs,
-          std::vector<VmapFrame>{});
+          std::vector<VmapFrame>{},
+          passed_arguments(saved_args, schema.arguments()).num_positional);
       node->set_history(outputs);
     }
     py::gil_scoped_acquire gil;

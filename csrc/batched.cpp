@@ -383,13 +383,14 @@ void BatchedKernel::attach_grad_nodes(
   std::vector<at::Tensor> in = inputs;
   std::vector<at::Tensor> out = outputs;
   std::vector<bool> needs(inputs.size(), false);
+  const size_t num_passed = passed_arguments(args, schema.arguments()).num_positional;
   bool mode = grad_mode; // the grad mode in force at the level being visited
   auto attach = [&](int64_t level,
                     const std::vector<at::Tensor>& in_here,
                     const std::vector<at::Tensor>& out_here) {
     auto node = c10::make_intrusive<CustomOpNode>(
         state_, arg_slots, ret_slots, in_here, inputs,
-        std::vector<VmapFrame>(frames.rbegin(), frames.rend()));
+        std::vector<VmapFrame>(frames.rbegin(), frames.rend()), num_passed);
     node->set_history(out_here);
     sites.push_back({std::move(node), level, frames.size(), out_here});
   };

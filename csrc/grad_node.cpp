@@ -133,12 +133,14 @@ CustomOpNode::CustomOpNode(
     std::vector<Slot> ret_slots,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& logical_inputs,
-    std::vector<VmapFrame> frames)
+    std::vector<VmapFrame> frames,
+    size_t num_passed_positional)
     : Node(torch::autograd::collect_next_edges(inputs)),
       state_(std::move(state)),
       arg_slots_(std::move(arg_slots)),
       ret_slots_(std::move(ret_slots)),
-      frames_(std::move(frames)) {
+      frames_(std::move(frames)),
+      num_passed_positional_(num_passed_positional) {
   logical_meta_.reserve(logical_inputs.size());
   for (const auto& t : logical_inputs) {
     logical_meta_.emplace_back(t);
@@ -307,7 +309,16 @@ void CustomOpNode::fail_backward(const std::string& what) const {
 variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
   const auto& arg_names = state_->arg_names;
   auto res = py::reinterpret_borrow<py::tuple>(result);
-  if (res.size() != arg_slots_.size()) {
+  // One gradient per input, or (as torch.library counts them) per argument
+  // the call passed: the inputs left to their defaults then get None, which
+  // is right only if none of them needs a gradient.
+  bool per_passed = res.size() == num_passed_positional_ && res.size() < arg_slots_.size();
+  for (size_t a = res.size(); per_passed && a < arg_slots_.size(); ++a) {
+    for (size_t k = arg_slots_[a].first; k < arg_slots_[a].first + arg_slots_[a].count; ++k) {
+      per_passed = per_passed && !next_edge(k).is_valid();
+    }
+  }
+  if (res.size() != arg_slots_.size() && !per_passed) {
     std::ostringstream names;
     for (size_t a = 0; a < arg_names.size(); ++a) {
       names << (a ? ", " : "") << arg_names[a];
@@ -319,7 +330,7 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
         "inputs that need no gradient.");
   }
   variable_list out(logical_meta_.size());
-  for (size_t a = 0; a < arg_slots_.size(); ++a) {
+  for (size_t a = 0; a < res.size(); ++a) {
     const Slot& s = arg_slots_[a];
     py::handle g = res[a];
     if (g.is_none()) {

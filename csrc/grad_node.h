@@ -1,4 +1,4 @@
-// The grad node of a torch_autobatch operator (autograd.cpp).
+// The grad node of a torch_autobatch operator (grad_node.cpp).
 #pragma once
 
 #include "autobatch.h"
@@ -28,7 +28,8 @@ class CustomOpNode final : public torch::autograd::Node {
       std::vector<Slot> ret_slots,
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& logical_inputs,
-      std::vector<VmapFrame> frames);
+      std::vector<VmapFrame> frames,
+      size_t num_passed_positional);
 
   std::string name() const override {
     return state_->node_name;
@@ -62,6 +63,10 @@ class CustomOpNode final : public torch::autograd::Node {
   std::vector<Slot> ret_slots_; // schema returns -> node inputs
   std::vector<torch::autograd::TypeAndSize> logical_meta_; // per next edge
   std::vector<VmapFrame> frames_; // outermost first
+  // Positional arguments the call passed (trailing defaults left out, NOTE
+  // [The function gets its arguments as torch passes them]): a backward may
+  // return that many gradients, as torch.library's may.
+  size_t num_passed_positional_;
   std::vector<bool> differentiable_; // per node input
   bool materialize_grads_ = true; // ctx.set_materialize_grads
   std::vector<at::Tensor> outputs_for_saving_; // cleared by save()

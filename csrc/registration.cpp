@@ -22,6 +22,7 @@
 //   dispatcher has without them.
 #include "autobatch.h"
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace torch_autobatch {
@@ -78,12 +79,11 @@ class DefinitionListener final : public c10::OpRegistrationListener {
   // Called with the dispatcher's lock held: only mark.
   void onOperatorDeregistered(const c10::OperatorHandle& op) override {
     const auto& name = op.operator_name();
-    if (!name.overload_name.empty()) {
-      return; // ours are default overloads
-    }
+    const std::string qualname =
+        name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
     auto& r = registry();
     std::lock_guard<std::mutex> guard(r.mutex);
-    auto it = r.states.find(name.name);
+    auto it = r.states.find(qualname);
     if (it == r.states.end()) {
       return;
     }
@@ -127,11 +127,17 @@ std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opd
       "torch_autobatch: expected a qualified name 'namespace::name', got '",
       qualname,
       "'");
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
+  // "ns::name" or "ns::name.overload", as torch.library.custom_op takes it.
+  const auto name = qualname.substr(sep + 2);
+  const auto dot = name.find('.');
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      (qualname.substr(0, sep + 2) + name.substr(0, dot)).c_str(),
+      dot == std::string::npos ? "" : name.substr(dot + 1).c_str());
   auto state = std::make_shared<OpState>();
   state->qualname = qualname;
-  state->node_name = "GeneratedBackwardFor_" + qualname.substr(0, sep) + "_" +
-      qualname.substr(sep + 2);
+  std::string node_suffix = name;
+  std::replace(node_suffix.begin(), node_suffix.end(), '.', '_');
+  state->node_name = "GeneratedBackwardFor_" + qualname.substr(0, sep) + "_" + node_suffix;
   for (const auto& arg : op.schema().arguments()) {
     state->arg_names.push_back(arg.name());
   }
@@ -152,9 +158,9 @@ std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opd
     void process(const c10::Warning&) override {}
   } silent;
   c10::WarningUtils::WarningHandlerGuard quiet(&silent);
+  // All or nothing: if an impl fails, `lib` takes what it registered with it.
   auto lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, qualname.substr(0, sep), std::nullopt, __FILE__, __LINE__);
-  const auto name = qualname.substr(sep + 2);
   lib->impl(
       name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, autograd_kernel(state)));
   lib->impl(

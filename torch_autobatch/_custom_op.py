@@ -20,12 +20,15 @@ The private methods at the end are the Python half of those kernels.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, overload
 
 import torch
 from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import custom_ops as _torch_custom_ops
+from torch._library import simple_registry
 from torch._library import utils as _library_utils
 from torch._library.infer_schema import infer_schema
 
@@ -37,6 +40,34 @@ _VMAP_RULE, _VMAP_LOOP = 1, 2
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _user_source() -> str:
+    """``file:line`` of the innermost caller outside torch_autobatch and torch (the user's definition)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(_PACKAGE_DIR + os.sep) or path.startswith(_TORCH_DIR + os.sep)):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _undo_registration(qualname: str, op: Any) -> None:
+    """A definition that failed halfway leaves nothing registered (torch's kernels, nor ours)."""
+    extras = getattr(op, "_ab", None)
+    if extras is not None and extras.registration is not None:
+        extras.registration.destroy()
+    lib = _torch_custom_ops.OPDEF_TO_LIB.get(qualname)
+    if lib is not None and lib is getattr(op, "_lib", None):
+        lib._destroy()
+        del _torch_custom_ops.OPDEF_TO_LIB[qualname]
+    if _torch_custom_ops.OPDEFS.get(qualname) is op:
+        del _torch_custom_ops.OPDEFS[qualname]
 
 
 def _fn_name(fn: Any) -> str:
@@ -142,10 +173,18 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         # define=False: the operator exists already (autobatch()); only our
         # kernels are added to it.
         self._define = define
-        super().__init__(namespace, name, schema, fn, tags)
-        if define:
-            self.register_kernel(device_types)(fn)
-        self._install(vmap)
+        source = _user_source()
+        try:
+            super().__init__(namespace, name, schema, fn, tags)
+            if define:
+                # torch records where the fake kernel came from and cites it in
+                # its errors: the user's definition, as for torch.library's ops.
+                self._set_fake_source(source)
+                self.register_kernel(device_types)(fn)
+            self._install(vmap)
+        except BaseException:
+            _undo_registration(f"{namespace}::{name}", self)
+            raise
 
     def _install(self, vmap: str) -> None:
         """Installs our kernels (Autograd, FuncTorchBatched) on this op.
@@ -222,6 +261,11 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
 
     def _register_fake_dispatcher_impl(self) -> None:
         self._lib._register_fake(self._name, self._fake_impl, _stacklevel=5)
+
+    def _set_fake_source(self, source: str) -> None:
+        kernel = simple_registry.singleton.find(self._qualname).fake_impl.kernel
+        if kernel is not None and hasattr(kernel, "source"):
+            kernel.source = source
 
     # ----------------------------------------------------------------- calling
     def __repr__(self) -> str:
@@ -332,7 +376,9 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             raise TypeError(
                 f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}."
             )
-        return super().register_fake(fn)
+        result = super().register_fake(fn)
+        self._set_fake_source(_user_source())
+        return result
 
     @overload
     def register_jvp(
