@@ -228,6 +228,17 @@ class TestCustomOpDb(TestCase):
 
             self.assertEqual(torch.vmap(per_sample_vjp)(*xs), loop)
 
+    @parametrize("name", list(PAIRS))
+    def test_opcheck(self, name):
+        # All of opcheck's default tests (schema, autograd registration, fake
+        # tensor, AOT dispatch static and dynamic), every sample, with and
+        # without inputs that require grad.
+        _, ours = PAIRS[name]
+        torch.manual_seed(0)
+        for requires_grad in (False, True):
+            for s in ours.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
+                torch.library.opcheck(ours.op, (s.input, *s.args), s.kwargs)
+
     @parametrize("name", AUTOGRAD)
     def test_jvp_is_a_clear_error_never_zeros(self, name):
         _, ours = PAIRS[name]
