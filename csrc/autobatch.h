@@ -101,7 +101,46 @@ struct Slot {
   bool is_list = false;
 };
 
-// Appends the tensors of `values` to `tensors` in order; returns each value's slot.
+// Is `v` a Tensor?[] value (a list of tensors and Nones)?
+inline bool is_optional_tensor_list(const c10::IValue& v) {
+  if (!v.isList()) {
+    return false;
+  }
+  const auto opt = v.toList().elementType()->cast<c10::OptionalType>();
+  return opt != nullptr && opt->getElementType()->kind() == c10::TypeKind::TensorType;
+}
+
+// `v` with each of its tensors (a Tensor, or an entry of a Tensor[] or
+// Tensor?[]) replaced by f(tensor, k); k counts them as flatten_tensors does
+// (a Tensor?[]'s None entries included, passed to `f` as undefined tensors).
+// Anything else is returned as is.
+template <class F>
+c10::IValue map_tensors(const c10::IValue& v, F f) {
+  if (v.isTensor()) {
+    return f(v.toTensor(), size_t{0});
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    size_t k = 0;
+    for (const at::Tensor& t : v.toTensorList()) {
+      out.push_back(f(t, k++));
+    }
+    return out;
+  }
+  if (is_optional_tensor_list(v)) {
+    c10::List<std::optional<at::Tensor>> out;
+    size_t k = 0;
+    for (const c10::IValue& e : v.toListRef()) {
+      at::Tensor t = f(e.isTensor() ? e.toTensor() : at::Tensor(), k++);
+      out.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t)) : std::nullopt);
+    }
+    return out;
+  }
+  return v;
+}
+
+// Appends the tensors of `values` to `tensors` in order; returns each value's
+// slot. A Tensor?[] value's None entries are undefined tensors.
 std::vector<Slot> flatten_tensors(
     c10::ArrayRef<c10::IValue> values,
     std::vector<at::Tensor>& tensors);

@@ -243,17 +243,9 @@ class BatchedKernel final : public c10::OperatorKernel {
   }
 
   static c10::IValue unwrap_returned(const c10::IValue& v, int64_t level) {
-    if (v.isTensor()) {
-      return functorch::unwrap_grad_level(v.toTensor(), level);
-    }
-    if (v.isTensorList()) {
-      c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) {
-        out.push_back(functorch::unwrap_grad_level(t, level));
-      }
-      return out;
-    }
-    return v;
+    return map_tensors(v, [&](const at::Tensor& t, size_t) {
+      return t.defined() ? functorch::unwrap_grad_level(t, level) : t;
+    });
   }
 
   // Turns functorch's "cannot batch this" into our error naming the op and
@@ -541,28 +533,6 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
   }
 }
 
-namespace {
-
-// `v` (an argument of the loop) with each of its tensors replaced by
-// `f(tensor, batched)`; `batched` holds one flag per tensor of `v`.
-template <class F>
-c10::IValue map_tensors(const c10::IValue& v, const std::vector<bool>& batched, F f) {
-  if (v.isTensor()) {
-    return v.toTensor().defined() ? c10::IValue(f(v.toTensor(), batched[0])) : v;
-  }
-  if (!v.isTensorList()) {
-    return v;
-  }
-  c10::List<at::Tensor> out;
-  size_t k = 0;
-  for (const at::Tensor& t : v.toTensorList()) {
-    out.push_back(f(t, batched[k++]));
-  }
-  return out;
-}
-
-} // namespace
-
 void BatchedKernel::run_loop(
     const c10::OperatorHandle& op,
     const DynamicLayer& layer,
@@ -581,12 +551,13 @@ void BatchedKernel::run_loop(
   std::vector<std::vector<bool>> batched(num_args);
   for (size_t a = 0; a < num_args; ++a) {
     auto& flags = batched[a];
-    const size_t count = args[a].isTensor() ? 1 : args[a].isTensorList() ? args[a].toTensorList().size() : 0;
-    flags.assign(count, false);
-    size_t k = 0;
-    args[a] = map_tensors(args[a], flags, [&](const at::Tensor& t, bool) {
+    args[a] = map_tensors(args[a], [&](const at::Tensor& t, size_t) {
+      if (!t.defined()) {
+        flags.push_back(false);
+        return t;
+      }
       auto [value, bdim] = at::functorch::unwrapTensorAtLevel(t, level);
-      flags[k++] = bdim.has_value();
+      flags.push_back(bdim.has_value());
       return bdim ? value.movedim(*bdim, 0) : value;
     });
   }
@@ -599,8 +570,8 @@ void BatchedKernel::run_loop(
   for (int64_t b = 0; b < batch_size; ++b) {
     torch::jit::Stack call;
     for (size_t a = 0; a < num_args; ++a) {
-      call.push_back(map_tensors(args[a], batched[a], [&](const at::Tensor& t, bool is_batched) {
-        return is_batched ? t.select(0, b) : t;
+      call.push_back(map_tensors(args[a], [&](const at::Tensor& t, size_t k) {
+        return batched[a][k] ? t.select(0, b) : t;
       }));
     }
     op.callBoxed(call);
@@ -643,7 +614,11 @@ void BatchedKernel::run_loop_empty(
   auto one_example = [&](bool on_meta) {
     torch::jit::Stack call;
     for (size_t a = 0; a < args.size(); ++a) {
-      call.push_back(map_tensors(args[a], batched[a], [&](const at::Tensor& t, bool is_batched) {
+      call.push_back(map_tensors(args[a], [&](const at::Tensor& t, size_t k) {
+        if (!t.defined()) {
+          return t;
+        }
+        const bool is_batched = batched[a][k];
         device = device.value_or(t.device());
         const auto sizes = is_batched ? t.sym_sizes().slice(1) : t.sym_sizes();
         return on_meta ? at::empty_symint(sizes, t.options().device(c10::kMeta))

@@ -183,20 +183,9 @@ std::vector<at::Tensor> check_jvp_result(
 
 // Replaces each tensor that has a tangent by a view of it without one.
 c10::IValue strip_tangent(const c10::IValue& v) {
-  auto strip = [](const at::Tensor& t) {
+  return map_tensors(v, [](const at::Tensor& t, size_t) {
     return torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
-  };
-  if (v.isTensor()) {
-    return strip(v.toTensor());
-  }
-  if (v.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) {
-      out.push_back(strip(t));
-    }
-    return out;
-  }
-  return v;
+  });
 }
 
 // The tangent of `v` for the user's jvp: Tensor or None, a list for a list.
@@ -207,11 +196,12 @@ py::object tangent_of(const c10::IValue& v) {
   if (v.isTensor()) {
     return tangent(v.toTensor());
   }
-  if (v.isTensorList()) {
+  if (v.isTensorList() || is_optional_tensor_list(v)) {
     py::list l;
-    for (const at::Tensor& t : v.toTensorList()) {
+    map_tensors(v, [&](const at::Tensor& t, size_t) {
       l.append(tangent(t));
-    }
+      return t;
+    });
     return std::move(l);
   }
   return py::none();

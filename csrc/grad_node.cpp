@@ -143,7 +143,9 @@ CustomOpNode::CustomOpNode(
       num_passed_positional_(num_passed_positional) {
   logical_meta_.reserve(logical_inputs.size());
   for (const auto& t : logical_inputs) {
-    logical_meta_.emplace_back(t);
+    // (an undefined entry: a Tensor?[]'s None, which gets no gradient)
+    logical_meta_.push_back(t.defined() ? torch::autograd::TypeAndSize(t) : torch::autograd::TypeAndSize());
+    input_defined_.push_back(t.defined());
   }
 }
 
@@ -366,6 +368,9 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
 
 at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t arg)
     const {
+  if (!input_defined_[edge]) {
+    return at::Tensor(); // a None entry of a Tensor?[]: nothing to differentiate
+  }
   const std::string& arg_name = state_->arg_names[arg];
   if (!THPVariable_Check(grad.ptr())) {
     fail_backward(

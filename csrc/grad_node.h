@@ -62,6 +62,7 @@ class CustomOpNode final : public torch::autograd::Node {
   std::vector<Slot> arg_slots_; // schema arguments -> next edges
   std::vector<Slot> ret_slots_; // schema returns -> node inputs
   std::vector<torch::autograd::TypeAndSize> logical_meta_; // per next edge
+  std::vector<bool> input_defined_; // per next edge: false for a Tensor?[]'s None
   std::vector<VmapFrame> frames_; // outermost first
   // Positional arguments the call passed (trailing defaults left out, NOTE
   // [The function gets its arguments as torch passes them]): a backward may

@@ -24,11 +24,18 @@ std::vector<Slot> flatten_tensors(
       }
       slot.count = tensors.size() - slot.first;
       slot.is_list = true;
+    } else if (is_optional_tensor_list(v)) {
+      for (const c10::IValue& e : v.toListRef()) {
+        tensors.push_back(e.isTensor() ? e.toTensor() : at::Tensor());
+      }
+      slot.count = tensors.size() - slot.first;
+      slot.is_list = true;
     }
     slots.push_back(slot);
   }
   return slots;
 }
+
 py::tuple slots_to_py(
     const std::vector<at::Tensor>& flat,
     const std::vector<Slot>& slots,
@@ -53,17 +60,12 @@ py::tuple slots_to_py(
 }
 
 bool any_requires_grad(const c10::IValue& v) {
-  if (v.isTensor()) {
-    return v.toTensor().requires_grad();
-  }
-  if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) {
-      if (t.requires_grad()) {
-        return true;
-      }
-    }
-  }
-  return false;
+  bool any = false;
+  map_tensors(v, [&](const at::Tensor& t, size_t) {
+    any = any || (t.defined() && t.requires_grad());
+    return t;
+  });
+  return any;
 }
 
 namespace {

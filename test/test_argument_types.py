@@ -38,6 +38,7 @@ CASES: list[tuple[str, str, Any, Any]] = [
     ("opt_tensor_none", "Tensor?", None, None),
     ("opt_tensor", "Tensor?", _T, None),
     ("tensor_list", "Tensor[]", [_T, _T], None),
+    ("opt_tensor_list", "Tensor?[]", [_T, None], None),
     ("symint", "SymInt", 3, None),
     ("int", "int", 3, None),
     ("opt_symint_none", "SymInt?", None, None),

@@ -783,21 +783,6 @@ class TestAliasing(StateCheckMixin, TestCase):
                 ident(torch.randn(3))
 
 
-class TestOptionalTensorList(TestCase):
-    def test_rejected_at_definition(self):
-        # A Tensor?[] argument would be invisible to the grad node: refuse it.
-        with self.assertRaises(NotImplementedError) as cm:
-
-            @torch_autobatch.custom_op(f"{NS}::opt_list_sin", mutates_args=())
-            def opt_list_sin(xs: list[Optional[torch.Tensor]]) -> torch.Tensor:
-                return xs[0].sin()
-
-        self.assertExpectedInline(
-            str(cm.exception),
-            """torch_autobatch.custom_op('tab_test::opt_list_sin'): argument 'xs' has type List[Optional[Tensor]], which is not supported yet. Use list[Tensor] or separate Optional[Tensor] arguments.""",
-        )
-
-
 class TestForwardMode(StateCheckMixin, TestCase):
     """Ops with a (2x) backward and no jvp: forward mode is derived from the
     op's function, never zeros; modes that also use reverse mode see the 2x."""

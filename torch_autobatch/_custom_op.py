@@ -733,13 +733,6 @@ def _tangent(t: Any) -> Optional[torch.Tensor]:
 def _check_schema(qualname: str, schema: str) -> None:
     """Refuses what our kernels cannot honour; mutation (``Tensor(a!)``) is fine."""
     parsed = torch._C.parse_schema(qualname + schema)
-    for arg in parsed.arguments:
-        if str(arg.type) == "List[Optional[Tensor]]":
-            raise NotImplementedError(
-                f"torch_autobatch.custom_op({qualname!r}): argument {arg.name!r} has "
-                f"type {arg.type}, which is not supported yet. Use list[Tensor] "
-                f"or separate Optional[Tensor] arguments."
-            )
     aliasing = [a for a in parsed.arguments if a.alias_info is not None and not a.alias_info.is_write]
     if aliasing or any(r.alias_info is not None for r in parsed.returns):
         raise NotImplementedError(
