@@ -57,8 +57,12 @@ class AutogradKernel final : public c10::OperatorKernel {
     }
     // NOTE [Derived tangents draw the primal's random numbers]
     std::optional<RngStates> rng_before_primal;
+    std::optional<PreMutationArgs> pre_mutation; // NOTE [Derived tangents of a mutating op]
     if (any_tangent && !state_->has_jvp.load()) {
       rng_before_primal.emplace(inputs);
+      if (schema.is_mutable()) {
+        pre_mutation.emplace(schema, saved_args);
+      }
     }
 
     bool called_directly = false;
@@ -118,15 +122,23 @@ class AutogradKernel final : public c10::OperatorKernel {
       node->set_history(outputs);
     }
     py::gil_scoped_acquire gil;
-    // setup_context and the jvp are user Python: NOTE [User Python sees a
-    // plain caller's state].
-    functorch::AsPlainCaller plain;
     if (any_tangent) {
       // NOTE [Forward mode]. Before the node saves anything: a saved output
-      // keeps its tangent.
-      set_output_tangents(
-          *state_, schema, saved_args, returns, ret_slots, outputs, rng_before_primal);
+      // keeps its tangent. The jvp or the function is user Python: NOTE
+      // [User Python sees a plain caller's state].
+      {
+        functorch::AsPlainCaller plain;
+        set_output_tangents(
+            *state_, schema, saved_args, returns, ret_slots, outputs, rng_before_primal,
+            pre_mutation);
+      }
+      // Updated as this level's kernel: NOTE [Derived tangents of a mutating op].
+      if (pre_mutation) {
+        pre_mutation->copy_tangents_to(saved_args);
+      }
     }
+    // setup_context is user Python too.
+    functorch::AsPlainCaller plain;
     if (node) {
       std::vector<bool> needs_input_grad(num_args, false);
       for (size_t a = 0; a < num_args; ++a) {

@@ -192,8 +192,11 @@ class BatchedKernel final : public c10::OperatorKernel {
       const std::vector<c10::IValue>& args) const {
     const bool decompose = under_ad && state_->decompose_under_ad.load();
     const size_t base = stack->size() - args.size();
+    // A mutating function is never run twice: its mutations before the
+    // failing op would happen twice (it then fails as a plain function does).
+    const bool may_retry = under_ad && !decompose && !op.schema().is_mutable();
     try {
-      run_composite_once(op, physical, stack, decompose, under_ad && !decompose);
+      run_composite_once(op, physical, stack, decompose, may_retry);
     } catch (const MissingBatchingRule&) {
       state_->decompose_under_ad.store(true);
       stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());

@@ -80,6 +80,44 @@ void RngStates::restore() const {
   }
 }
 
+PreMutationArgs::PreMutationArgs(
+    const c10::FunctionSchema& schema,
+    const std::vector<c10::IValue>& args)
+    : args_(args) {
+  for (size_t a = 0; a < args.size(); ++a) {
+    const auto* info = schema.arguments()[a].alias_info();
+    if (info != nullptr && info->isWrite()) {
+      mutated_.push_back(a);
+      args_[a] = map_tensors(args[a], [](const at::Tensor& t, size_t) {
+        return t.defined() ? t.clone() : t;
+      });
+    }
+  }
+}
+
+void PreMutationArgs::copy_tangents_to(const std::vector<c10::IValue>& originals) const {
+  for (size_t a : mutated_) {
+    std::vector<at::Tensor> clones;
+    map_tensors(args_[a], [&](const at::Tensor& t, size_t) {
+      clones.push_back(t);
+      return t;
+    });
+    map_tensors(originals[a], [&](const at::Tensor& t, size_t k) {
+      const at::Tensor& clone = clones[k];
+      if (t.defined() && clone.defined() && torch::autograd::isFwGradDefined(clone) &&
+          torch::autograd::isDifferentiableType(t.scalar_type())) {
+        // As an in-place aten op does: an existing tangent is updated in place.
+        if (torch::autograd::isFwGradDefined(t)) {
+          t._fw_grad(0).copy_(clone._fw_grad(0));
+        } else {
+          t._set_fw_grad(clone._fw_grad(0), /*level=*/0, /*is_inplace_op=*/true);
+        }
+      }
+      return t;
+    });
+  }
+}
+
 namespace {
 
 py::object wrap(const at::Tensor& t) {
@@ -238,7 +276,8 @@ void set_output_tangents(
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<Slot>& ret_slots,
     const std::vector<at::Tensor>& outputs,
-    const std::optional<RngStates>& rng_before_primal) {
+    const std::optional<RngStates>& rng_before_primal,
+    const std::optional<PreMutationArgs>& pre_mutation) {
   std::vector<at::Tensor> tangents(outputs.size());
   try {
     const py::object opdef = state.opdef();
@@ -264,8 +303,10 @@ void set_output_tangents(
         rng_after_primal.emplace(rng_before_primal->current());
         rng_before_primal->restore();
       }
-      // NOTE [The function gets its arguments as torch passes them]
-      const auto [call_args, call_kwargs] = to_py_call(args, schema.arguments());
+      // NOTE [The function gets its arguments as torch passes them], NOTE
+      // [Derived tangents of a mutating op]
+      const auto& run_args = pre_mutation ? pre_mutation->args() : args;
+      const auto [call_args, call_kwargs] = to_py_call(run_args, schema.arguments());
       py::tuple result = call_method(opdef, names.composite_tangents, {call_args, call_kwargs});
       if (rng_after_primal) {
         rng_after_primal->restore();

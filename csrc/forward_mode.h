@@ -30,12 +30,44 @@ class RngStates {
   std::vector<std::pair<at::Generator, at::Tensor>> states_;
 };
 
+// NOTE [Derived tangents of a mutating op]
+// Derived tangents run the op's function a second time (NOTE [Forward
+// mode]). For an op that mutates arguments that second run must not mutate
+// them again (a buffer incremented twice), and must see them as the first
+// run did, before its mutation. So before the primal run the mutated
+// arguments are cloned (with their tangents, at the kernel's level), the
+// tangent run gets the clones, and afterwards each mutated argument takes
+// its clone's tangent: the mutation's own forward derivative, as for a plain
+// function.
+class PreMutationArgs {
+ public:
+  // Nothing is cloned for an op that mutates nothing.
+  PreMutationArgs(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args);
+  bool empty() const {
+    return mutated_.empty();
+  }
+  // `args` with the mutated ones replaced by their clones.
+  const std::vector<c10::IValue>& args() const {
+    return args_;
+  }
+  // Gives each mutated argument of `originals` its clone's tangent; called
+  // by the kernel itself (not from user Python's state), as an in-place aten
+  // op's kernel updates its tangent.
+  void copy_tangents_to(const std::vector<c10::IValue>& originals) const;
+
+ private:
+  std::vector<size_t> mutated_;
+  std::vector<c10::IValue> args_;
+};
+
 // The Autograd kernel's half (no vmap level above the op): gives each
 // differentiable output its tangent, from the registered jvp or derived from
 // the op's function. `args` are the op's arguments with their tangents;
 // `returns`/`outputs` the primal outputs (`ret_slots` maps one to the other).
-// `rng_before_primal`: for derived tangents, the generators' states before
-// the primal run. Requires the GIL.
+// `rng_before_primal`, `pre_mutation`: for derived tangents, the
+// generators' states and the mutated arguments before the primal run (the
+// caller then calls pre_mutation->copy_tangents_to).
+// Requires the GIL.
 void set_output_tangents(
     const OpState& state,
     const c10::FunctionSchema& schema,
@@ -43,7 +75,8 @@ void set_output_tangents(
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<Slot>& ret_slots,
     const std::vector<at::Tensor>& outputs,
-    const std::optional<RngStates>& rng_before_primal);
+    const std::optional<RngStates>& rng_before_primal,
+    const std::optional<PreMutationArgs>& pre_mutation);
 
 // The level of forward-mode AD's own dual tensors, below every functorch level.
 constexpr int64_t kBaseLevel = 0;

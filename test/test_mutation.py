@@ -39,6 +39,20 @@ track.register_autograd(
 )
 
 
+# Reads its buffer before mutating it with a differentiable value.
+@torch_autobatch.custom_op(f"{NS}::read_then_accumulate", mutates_args={"buf"})
+def read_then_accumulate(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    out = x * buf
+    buf.add_(x)
+    return out
+
+
+def _read_then_accumulate_ref(x, buf):
+    out = x * buf
+    buf.add_(x)
+    return out
+
+
 def _x(*shape: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(sum(shape) + 7)
     return torch.randn(*shape, generator=g)
@@ -143,6 +157,49 @@ class TestMutatingOps(TestCase):
         message = str(expected.exception).replace("tl_scale_", "scale_")
         with self.assertRaisesRegex(RuntimeError, "^" + re.escape(message) + "$"):
             torch.func.functionalize(f(scale_))(_x(3))
+
+    def test_forward_mode_mutates_once_and_updates_the_buffers_tangent(self):
+        # NOTE [Derived tangents of a mutating op]: the tangent run must not
+        # mutate again (the buffer was incremented twice), must see the
+        # buffer as the primal run did, and leaves the buffer the tangent of
+        # its mutation, as the plain function does.
+        import torch.autograd.forward_ad as fwAD
+        from torch.func import jvp, vmap
+
+        def reading_buf_after(fn):
+            def g(x, buf):
+                return fn(x, buf), buf * 1
+
+            return g
+
+        def dual(fn, x, buf, tx, tb):
+            with fwAD.dual_level():
+                b = fwAD.make_dual(buf, tb)
+                out, after = reading_buf_after(fn)(fwAD.make_dual(x, tx), b)
+                return [fwAD.unpack_dual(t) for t in (out, after)]
+
+        def dual_buffer_without_tangent(fn, x, buf, tx, tb):
+            with fwAD.dual_level():
+                out, after = reading_buf_after(fn)(fwAD.make_dual(x, tx), buf)
+                return [fwAD.unpack_dual(t) for t in (out, after)]
+
+        paths = {
+            "dual": dual,
+            "dual_buffer_without_tangent": dual_buffer_without_tangent,
+            "jvp": lambda fn, x, buf, tx, tb: jvp(reading_buf_after(fn), (x, buf), (tx, tb)),
+            "vmap_of_jvp": lambda fn, x, buf, tx, tb: vmap(
+                lambda *a: jvp(reading_buf_after(fn), a[:2], a[2:])
+            )(x, buf, tx, tb),
+            "jvp_of_vmap": lambda fn, x, buf, tx, tb: jvp(vmap(reading_buf_after(fn)), (x, buf), (tx, tb)),
+        }
+        for name, run in paths.items():
+            with self.subTest(path=name):
+                results = []
+                for fn in (read_then_accumulate, _read_then_accumulate_ref):
+                    buf = torch.full((3, 2), 3.0)
+                    got = run(fn, torch.ones(3, 2), buf, torch.ones(3, 2), torch.full((3, 2), 10.0))
+                    results.append((got, buf))
+                self.assertEqual(results[0], results[1])
 
     def test_compile(self):
         @torch.compile(backend="aot_eager", fullgraph=True)
