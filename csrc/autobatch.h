@@ -47,6 +47,11 @@ struct OpState {
   // The schema declares no aliasing and no mutation: run_backend may call the
   // op's function itself (NOTE [Calling the composite directly]).
   bool functional_schema = false;
+  // Per schema return: the argument it is (`Tensor(a!) x -> Tensor(a!)`, the
+  // returns of torch.Tag.inplace and torch.Tag.out ops), or -1: NOTE
+  // [Returned mutated arguments] (tensors.cpp).
+  std::vector<int64_t> return_aliases;
+  bool returns_an_argument = false;
   // The definition our kernels were registered for still exists; cleared by
   // the dispatcher listener (registration.cpp).
   std::atomic<bool> defined{true};
@@ -188,8 +193,22 @@ std::optional<Aliasing> find_aliasing(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs);
 
+// NOTE [Returned mutated arguments]: the schema's return aliases, and per
+// flat output whether it is a returned argument.
+std::vector<int64_t> return_aliases(const c10::FunctionSchema& schema);
+std::vector<bool> returned_arguments(
+    const OpState& state,
+    const std::vector<Slot>& ret_slots,
+    size_t num_outputs);
+// Puts each returned argument on `stack` (the op's returns at its end) as
+// the argument itself, as an in-place aten op's kernel returns `self`.
+void return_the_arguments(
+    const OpState& state,
+    const std::vector<c10::IValue>& args,
+    torch::jit::Stack* stack);
+
 // Raises if an output shares memory with an input or another output (the
-// schema declares no aliasing). `torch_check`: the op's function was called
+// schema declares no aliasing; a returned argument is checked by torch). `torch_check`: the op's function was called
 // directly (run_backend returned true) on tensors torch's check can see, so
 // torch.library's own error comes first, as its backend kernel raises it.
 void check_no_aliasing(
@@ -197,6 +216,7 @@ void check_no_aliasing(
     const c10::FunctionSchema& schema,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
+    const std::vector<Slot>& ret_slots,
     bool torch_check = false);
 
 // Runs the op's own function on `stack` with the dispatch keys `ks` (those

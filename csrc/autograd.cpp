@@ -18,6 +18,8 @@
 
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <algorithm>
+
 namespace torch_autobatch {
 namespace {
 
@@ -52,7 +54,7 @@ class AutogradKernel final : public c10::OperatorKernel {
       check_mutated_need_no_grad(schema, args);
     }
     std::vector<c10::IValue> saved_args;
-    if (needs_node || any_tangent) {
+    if (needs_node || any_tangent || state_->returns_an_argument) {
       saved_args.assign(args.begin(), args.end());
     }
     // NOTE [Derived tangents draw the primal's random numbers]
@@ -105,10 +107,13 @@ class AutogradKernel final : public c10::OperatorKernel {
       }
     }
 
+    if (state_->returns_an_argument) {
+      return_the_arguments(*state_, saved_args, stack); // NOTE [Returned mutated arguments]
+    }
     const auto returns = torch::jit::last(*stack, num_returns);
     std::vector<at::Tensor> outputs;
     auto ret_slots = flatten_tensors(returns, outputs);
-    check_no_aliasing(*state_, schema, inputs, outputs, called_directly);
+    check_no_aliasing(*state_, schema, inputs, outputs, ret_slots, called_directly);
     if (!needs_node && !any_tangent) {
       return;
     }
@@ -126,16 +131,18 @@ class AutogradKernel final : public c10::OperatorKernel {
       // NOTE [Forward mode]. Before the node saves anything: a saved output
       // keeps its tangent. The jvp or the function is user Python: NOTE
       // [User Python sees a plain caller's state].
+      std::vector<at::Tensor> tangents;
       {
         functorch::AsPlainCaller plain;
-        set_output_tangents(
+        tangents = output_tangents(
             *state_, schema, saved_args, returns, ret_slots, outputs, rng_before_primal,
             pre_mutation);
       }
-      // Updated as this level's kernel: NOTE [Derived tangents of a mutating op].
+      // Set as this level's kernel: NOTE [Derived tangents of a mutating op].
       if (pre_mutation) {
         pre_mutation->copy_tangents_to(saved_args);
       }
+      set_output_tangents(*state_, ret_slots, outputs, tangents, pre_mutation.has_value());
     }
     // setup_context is user Python too.
     functorch::AsPlainCaller plain;
@@ -160,14 +167,20 @@ class AutogradKernel final : public c10::OperatorKernel {
   // rebased onto this op, as autograd does for in-place aten ops; the user's
   // backward has no gradient for "the input before the mutation", so that is
   // refused with a clear error rather than silently losing the mutation's
-  // derivative.
+  // derivative. Except for an argument the op returns (torch.Tag.inplace,
+  // torch.Tag.out: NOTE [Returned mutated arguments]): its history is
+  // rebased onto the node, whose backward must then give the gradient with
+  // respect to it before the mutation (None is refused: CustomOpNode).
   void check_mutated_need_no_grad(
       const c10::FunctionSchema& schema,
       c10::ArrayRef<c10::IValue> args) const {
     for (size_t a = 0; a < args.size(); ++a) {
       const auto& info = schema.arguments()[a].alias_info();
+      const bool returned = std::find(
+          state_->return_aliases.begin(), state_->return_aliases.end(),
+          static_cast<int64_t>(a)) != state_->return_aliases.end();
       TORCH_CHECK(
-          !(info && info->isWrite() && any_requires_grad(args[a])),
+          !(info && info->isWrite() && !returned && any_requires_grad(args[a])),
           "torch_autobatch: ",
           state_->qualname,
           " mutates its argument '",

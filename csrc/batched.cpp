@@ -157,9 +157,12 @@ class BatchedKernel final : public c10::OperatorKernel {
         run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args);
       }
     }
+    if (state_->returns_an_argument) {
+      return_the_arguments(*state_, saved_args, stack); // NOTE [Returned mutated arguments]
+    }
     std::vector<at::Tensor> outputs;
     auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
-    check_no_aliasing(*state_, schema, inputs, outputs);
+    check_no_aliasing(*state_, schema, inputs, outputs, ret_slots);
     attach_grad_nodes(
         schema, grad_mode, std::move(arg_slots), std::move(ret_slots), saved_args,
         torch::jit::last(*stack, num_returns), inputs, outputs);

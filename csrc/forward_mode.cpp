@@ -80,6 +80,23 @@ void RngStates::restore() const {
   }
 }
 
+namespace {
+
+// As an in-place aten op sets its `self`'s tangent: an existing one is
+// updated in place. Called as the kernel (not from user Python's state).
+void set_inplace_fw_grad(const at::Tensor& t, const at::Tensor& tangent) {
+  if (!torch::autograd::isDifferentiableType(t.scalar_type())) {
+    return;
+  }
+  if (torch::autograd::isFwGradDefined(t)) {
+    t._fw_grad(0).copy_(tangent);
+  } else {
+    t._set_fw_grad(tangent, /*level=*/0, /*is_inplace_op=*/true);
+  }
+}
+
+} // namespace
+
 PreMutationArgs::PreMutationArgs(
     const c10::FunctionSchema& schema,
     const std::vector<c10::IValue>& args)
@@ -104,14 +121,8 @@ void PreMutationArgs::copy_tangents_to(const std::vector<c10::IValue>& originals
     });
     map_tensors(originals[a], [&](const at::Tensor& t, size_t k) {
       const at::Tensor& clone = clones[k];
-      if (t.defined() && clone.defined() && torch::autograd::isFwGradDefined(clone) &&
-          torch::autograd::isDifferentiableType(t.scalar_type())) {
-        // As an in-place aten op does: an existing tangent is updated in place.
-        if (torch::autograd::isFwGradDefined(t)) {
-          t._fw_grad(0).copy_(clone._fw_grad(0));
-        } else {
-          t._set_fw_grad(clone._fw_grad(0), /*level=*/0, /*is_inplace_op=*/true);
-        }
+      if (t.defined() && clone.defined() && torch::autograd::isFwGradDefined(clone)) {
+        set_inplace_fw_grad(t, clone._fw_grad(0));
       }
       return t;
     });
@@ -245,15 +256,6 @@ py::object tangent_of(const c10::IValue& v) {
   return py::none();
 }
 
-void set_fw_grads(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& tangents) {
-  for (size_t k = 0; k < outputs.size(); ++k) {
-    if (tangents[k].defined() && outputs[k].defined() &&
-        torch::autograd::isDifferentiableType(outputs[k].scalar_type())) {
-      outputs[k]._set_fw_grad(tangents[k], /*level=*/0, /*is_inplace_op=*/false);
-    }
-  }
-}
-
 // Python values of the op's arguments (or returns) for the jvp, with the
 // tensors taken from `flat` (by `slots`); a tangent has None for non-tensors.
 py::tuple rebuild(
@@ -270,6 +272,27 @@ py::tuple rebuild(
 } // namespace
 
 void set_output_tangents(
+    const OpState& state,
+    const std::vector<Slot>& ret_slots,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& tangents,
+    bool skip_returned) {
+  const auto returned = returned_arguments(state, ret_slots, outputs.size());
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const at::Tensor& out = outputs[k];
+    if (!tangents[k].defined() || !out.defined() ||
+        !torch::autograd::isDifferentiableType(out.scalar_type())) {
+      continue;
+    }
+    if (!returned[k]) {
+      out._set_fw_grad(tangents[k], /*level=*/0, /*is_inplace_op=*/false);
+    } else if (!skip_returned) {
+      set_inplace_fw_grad(out, tangents[k]); // NOTE [Returned mutated arguments]
+    }
+  }
+}
+
+std::vector<at::Tensor> output_tangents(
     const OpState& state,
     const c10::FunctionSchema& schema,
     const std::vector<c10::IValue>& args,
@@ -320,7 +343,7 @@ void set_output_tangents(
   } catch (py::error_already_set& e) {
     rethrow_python_error(e);
   }
-  set_fw_grads(outputs, tangents);
+  return tangents;
 }
 
 void set_jvp_tangents_below_vmap(
@@ -356,7 +379,8 @@ void set_jvp_tangents_below_vmap(
     return;
   }
   std::vector<at::Tensor> outs = out;
-
+  std::vector<at::Tensor> out_tangents;
+  {
   functorch::LowerToLevel lowered(level);
   functorch::ReenteredVmapLevels levels;
   for (size_t j = frames_inner_first.size(); j-- > 0;) {
@@ -377,7 +401,6 @@ void set_jvp_tangents_below_vmap(
     }
   }
 
-  std::vector<at::Tensor> out_tangents;
   {
     py::gil_scoped_acquire gil;
     try {
@@ -419,13 +442,15 @@ void set_jvp_tangents_below_vmap(
       }
     }
   }
+  }
   std::vector<at::Tensor> at_level(out.size());
   for (size_t k = 0; k < out.size(); ++k) {
     if (at_this_level(out[k])) {
       at_level[k] = out[k];
     }
   }
-  set_fw_grads(at_level, out_tangents);
+  // As this level's kernel (the lowered stack and re-entered levels are gone).
+  set_output_tangents(state, ret_slots, at_level, out_tangents, /*skip_returned=*/false);
 }
 
 } // namespace torch_autobatch

@@ -60,15 +60,26 @@ class PreMutationArgs {
   std::vector<c10::IValue> args_;
 };
 
-// The Autograd kernel's half (no vmap level above the op): gives each
-// differentiable output its tangent, from the registered jvp or derived from
-// the op's function. `args` are the op's arguments with their tangents;
+// Gives each differentiable output its tangent (undefined: none); a returned
+// mutated argument's is set as an in-place op sets its self's, unless
+// `skip_returned` (derived tangents: PreMutationArgs set them). Called as the
+// kernel, not from user Python's state.
+void set_output_tangents(
+    const OpState& state,
+    const std::vector<Slot>& ret_slots,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& tangents,
+    bool skip_returned);
+
+// The Autograd kernel's half (no vmap level above the op): each
+// differentiable output's tangent, from the registered jvp or derived from
+// the op's function (the caller sets them: set_output_tangents). `args` are the op's arguments with their tangents;
 // `returns`/`outputs` the primal outputs (`ret_slots` maps one to the other).
 // `rng_before_primal`, `pre_mutation`: for derived tangents, the
 // generators' states and the mutated arguments before the primal run (the
 // caller then calls pre_mutation->copy_tangents_to).
 // Requires the GIL.
-void set_output_tangents(
+std::vector<at::Tensor> output_tangents(
     const OpState& state,
     const c10::FunctionSchema& schema,
     const std::vector<c10::IValue>& args,

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace torch_autobatch {
@@ -151,10 +152,18 @@ CustomOpNode::CustomOpNode(
 
 void CustomOpNode::set_history(const std::vector<at::Tensor>& outputs) {
   differentiable_.reserve(outputs.size());
-  for (const auto& out : outputs) {
+  const auto returned = returned_arguments(*state_, ret_slots_, outputs.size());
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const at::Tensor& out = outputs[k];
     const bool diff = out.defined() &&
         torch::autograd::isDifferentiableType(out.scalar_type());
-    if (diff) {
+    if (diff && returned[k]) {
+      // A returned mutated argument: its history moves onto this node, as an
+      // in-place op's does (a view's base gets a CopySlices): NOTE
+      // [Returned mutated arguments].
+      const auto nr = add_input_metadata(out);
+      torch::autograd::impl::rebase_history(out, {getptr(), nr});
+    } else if (diff) {
       torch::autograd::set_history(out, getptr());
     } else {
       add_input_metadata(Node::undefined_input());
@@ -336,6 +345,7 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
     const Slot& s = arg_slots_[a];
     py::handle g = res[a];
     if (g.is_none()) {
+      require_gradient_of_returned_argument(a);
       continue;
     }
     if (s.count == 0 && !s.is_list) {
@@ -364,6 +374,25 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
     }
   }
   return out;
+}
+
+void CustomOpNode::require_gradient_of_returned_argument(size_t arg) const {
+  // NOTE [Mutating ops]: the op mutated and returned this argument, which
+  // required grad; a None would silently drop its history's gradient.
+  const auto& aliases = state_->return_aliases;
+  if (std::find(aliases.begin(), aliases.end(), static_cast<int64_t>(arg)) == aliases.end()) {
+    return;
+  }
+  const Slot& s = arg_slots_[arg];
+  for (size_t k = s.first; k < s.first + s.count; ++k) {
+    if (next_edge(k).is_valid()) {
+      fail_backward(
+          "returned None for input '" + state_->arg_names[arg] +
+          "', which the op mutates and returns, and which required grad before the "
+          "call. Return its gradient with respect to its value before the mutation "
+          "(for x.add_(y): the incoming gradient).");
+    }
+  }
 }
 
 at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t arg)

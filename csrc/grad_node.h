@@ -56,6 +56,7 @@ class CustomOpNode final : public torch::autograd::Node {
   py::tuple wrap_grads(const torch::autograd::variable_list& grads) const;
   torch::autograd::variable_list unwrap_input_grads(py::handle result) const;
   at::Tensor check_input_grad(py::handle grad, size_t edge, size_t arg) const;
+  void require_gradient_of_returned_argument(size_t arg) const;
   [[noreturn]] void fail_backward(const std::string& what) const;
 
   std::shared_ptr<OpState> state_;

@@ -147,6 +147,9 @@ std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opd
   }
   state->opdef_weakref = PyRef(py::reinterpret_steal<py::object>(weak));
   state->functional_schema = has_functional_schema(op.schema());
+  state->return_aliases = return_aliases(op.schema());
+  state->returns_an_argument = std::any_of(
+      state->return_aliases.begin(), state->return_aliases.end(), [](int64_t a) { return a >= 0; });
 
   // NOTE [Upgrading an existing op] (torch_autobatch/_upgrade.py): an op
   // that torch.library.custom_op made has Python kernels at these keys; ours

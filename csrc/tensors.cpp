@@ -103,12 +103,79 @@ std::optional<Aliasing> find_aliasing(
   return std::nullopt;
 }
 
+// NOTE [Returned mutated arguments]
+// An in-place op (torch.Tag.inplace) returns its first argument, mutated; an
+// out= op (torch.Tag.out) its out arguments: the schema says so
+// (`Tensor(a!) x -> Tensor(a!)`). torch's backend wrapper checks that the
+// function returned them. Our kernels then return the argument itself (at
+// their own level: a functorch level would otherwise hand back a new wrapper
+// of it), skip it in the aliasing check, and give it the op's grad node the
+// way autograd gives an in-place op's result its history (rebase_history).
+std::vector<int64_t> return_aliases(const c10::FunctionSchema& schema) {
+  std::vector<int64_t> aliases;
+  for (const auto& r : schema.returns()) {
+    int64_t found = -1;
+    const auto* info = r.alias_info();
+    for (size_t a = 0; info != nullptr && info->isWrite() && a < schema.arguments().size(); ++a) {
+      const auto* arg_info = schema.arguments()[a].alias_info();
+      if (arg_info != nullptr && arg_info->isWrite() &&
+          arg_info->beforeSets() == info->beforeSets()) {
+        found = static_cast<int64_t>(a);
+        break;
+      }
+    }
+    aliases.push_back(found);
+  }
+  return aliases;
+}
+
+std::vector<bool> returned_arguments(
+    const OpState& state,
+    const std::vector<Slot>& ret_slots,
+    size_t num_outputs) {
+  std::vector<bool> returned(num_outputs, false);
+  for (size_t r = 0; state.returns_an_argument && r < ret_slots.size(); ++r) {
+    if (state.return_aliases[r] >= 0) {
+      for (size_t k = ret_slots[r].first; k < ret_slots[r].first + ret_slots[r].count; ++k) {
+        returned[k] = true;
+      }
+    }
+  }
+  return returned;
+}
+
+void return_the_arguments(
+    const OpState& state,
+    const std::vector<c10::IValue>& args,
+    torch::jit::Stack* stack) {
+  const size_t num_returns = state.return_aliases.size();
+  for (size_t r = 0; r < num_returns; ++r) {
+    const int64_t a = state.return_aliases[r];
+    if (a >= 0) {
+      (*stack)[stack->size() - num_returns + r] = args[static_cast<size_t>(a)];
+    }
+  }
+}
+
 void check_no_aliasing(
     const OpState& state,
     const c10::FunctionSchema& schema,
     const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& all_outputs,
+    const std::vector<Slot>& ret_slots,
     bool torch_check) {
+  // Returned arguments are torch's to check (its backend wrapper does).
+  std::vector<at::Tensor> others;
+  if (state.returns_an_argument) {
+    others = all_outputs;
+    const auto returned = returned_arguments(state, ret_slots, others.size());
+    for (size_t k = 0; k < others.size(); ++k) {
+      if (returned[k]) {
+        others[k] = at::Tensor();
+      }
+    }
+  }
+  const auto& outputs = state.returns_an_argument ? others : all_outputs;
   const auto found = find_aliasing(inputs, outputs);
   if (!found) {
     return;

@@ -199,6 +199,175 @@ class TestOptionalTensorList(TestCase):
         self.assertEqual(vmap(lambda a: op([a, None, w], w))(A), torch.stack([_weighted([a, None, w], w) for a in A]))
 
 
+def _add_sin_(x, y):
+    x.add_(torch.sin(y))
+    return x
+
+
+class TestInplaceAndOutTags(TestCase):
+    """tags=torch.Tag.inplace / torch.Tag.out: the op returns its mutated argument(s)
+    (NOTE [Returned mutated arguments] in csrc/tensors.cpp). The backward is 2x in y."""
+
+    @staticmethod
+    def _inplace(lib, name, schema=None):
+        def add_sin_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return _add_sin_(x, y)
+
+        return lib(f"{NS}::{name}", add_sin_, mutates_args={"x"}, schema=schema, tags=torch.Tag.inplace)
+
+    def setUp(self):
+        super().setUp()
+        self.op = self._inplace(torch_autobatch.custom_op, f"add_sin_{self._testMethodName}")
+        self.op.register_autograd(
+            lambda ctx, g: (g, 2 * g * torch.cos(ctx.y)),
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "y", inputs[1]),
+        )
+        self.ref = self._inplace(torch.library.custom_op, f"add_sin_ref_{self._testMethodName}")
+        self.dy = lambda y: 2 * torch.cos(y)  # the registered derivative in y
+
+    def test_schema_and_eager_like_torch_library(self):
+        self.assertEqual(str(self.op._opoverload._schema).split("(", 1)[1], str(self.ref._opoverload._schema).split("(", 1)[1])
+        for op in (self.op, self.ref):
+            x, y = torch.zeros(3), _x(3).float()
+            r = op(x, y)
+            self.assertIs(r, x)
+            self.assertEqual(x, torch.sin(y))
+        # the same written as a schema (with the tag, as torch.library wants it; without
+        # it, torch's aliasing check refuses the returned input at run time, for both)
+        schema = "(Tensor(a!) x, Tensor y) -> Tensor(a!)"
+        op = self._inplace(torch_autobatch.custom_op, "add_sin_schema", schema=schema)
+        x = torch.zeros(3)
+        self.assertIs(op(x, torch.ones(3)), x)
+        for lib, ns in ((torch_autobatch.custom_op, NS), (torch.library.custom_op, f"{NS}_ref")):
+            op = lib(f"{ns}::add_sin_untagged", _add_sin_, mutates_args={"x"}, schema=schema)
+            with self.assertRaisesRegex(RuntimeError, "must not also be an input to this custom operator"):
+                op(torch.zeros(3), torch.ones(3))
+
+    def test_backward(self):
+        x, y = torch.zeros(3), torch.ones(3, requires_grad=True)
+        out = self.op(x, y)
+        self.assertIs(out, x)
+        out.sum().backward()
+        self.assertEqual(y.grad, self.dy(torch.ones(3)))
+        # on a view: its base's history gets the op, as for an in-place aten op
+        base, y = torch.zeros(2, 3), torch.ones(3, requires_grad=True)
+        self.op(base[0], y)
+        self.assertEqual(type(base.grad_fn).__name__, "CopySlices")
+        base.sum().backward()
+        self.assertEqual(y.grad, self.dy(torch.ones(3)))
+        # chained, and through an input that requires grad: its gradient is the backward's
+        w, y = torch.zeros(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        self.op(self.op(w * 1, y), y).sum().backward()
+        self.assertEqual(y.grad, 2 * self.dy(torch.ones(3)))
+        self.assertEqual(w.grad, torch.ones(3))
+
+    def test_none_for_a_returned_input_that_requires_grad_is_refused(self):
+        self.op.register_autograd(lambda ctx, g: (None, g), setup_context=lambda ctx, i, o: None)
+        w = torch.zeros(3, requires_grad=True)
+        with self.assertRaisesRegex(RuntimeError, r"returned None for input 'x', which the op mutates and returns"):
+            self.op(w * 1, torch.ones(3)).sum().backward()
+
+    def test_vmap(self):
+        X, Y = torch.zeros(4, 3), _x(4, 3).float()
+        returned = []
+
+        def f(x, y):
+            r = self.op(x, y)
+            returned.append(r is x)  # the batched mutated input itself
+            return r
+
+        out = vmap(f)(X, Y)
+        self.assertEqual(returned, [True])
+        self.assertEqual(X, torch.sin(Y))
+        self.assertEqual(out, X)
+        Y = torch.ones(4, 3)
+        self.assertEqual(
+            vmap(grad(lambda x, y: self.op(x.clone(), y).sum(), argnums=1))(torch.zeros(4, 3), Y), self.dy(Y)
+        )
+        self.assertEqual(grad(lambda y: vmap(self.op)(torch.zeros(4, 3), y).sum())(Y), self.dy(Y))
+        Yr = Y.clone().requires_grad_()
+        vmap(self.op)(torch.zeros(4, 3), Yr).sum().backward()
+        self.assertEqual(Yr.grad, self.dy(Y))
+
+    def test_forward_mode(self):
+        import torch.autograd.forward_ad as fwAD
+
+        x, y, ty = torch.zeros(3), _x(3).float(), _x(3).float()
+        # derived: the true derivative, on the returned (mutated) x
+        _, t = torch.func.jvp(lambda y: self.op(torch.zeros(3), y), (y,), (ty,))
+        self.assertEqual(t, torch.cos(y) * ty)
+        with fwAD.dual_level():
+            d = fwAD.make_dual(x, torch.ones(3))
+            self.assertIs(self.op(d, fwAD.make_dual(y, ty)), d)
+            self.assertEqual(fwAD.unpack_dual(d).tangent, 1 + torch.cos(y) * ty)
+
+    def test_compile(self):
+        for backend in ("aot_eager", "inductor"):
+            with self.subTest(backend=backend):
+                torch._dynamo.reset()
+                f = torch.compile(lambda x, y: self.op(x, y) * 2, backend=backend, fullgraph=True)
+                x, y = torch.zeros(3), torch.ones(3, requires_grad=True)
+                out = f(x, y)
+                self.assertEqual(x, torch.sin(torch.ones(3)))
+                out.sum().backward()
+                self.assertEqual(y.grad, 2 * self.dy(torch.ones(3)))
+
+    def test_opcheck(self):
+        torch.library.opcheck(self.op, (torch.zeros(3), torch.ones(3)))
+        torch.library.opcheck(self.op, (torch.zeros(3), torch.ones(3, requires_grad=True)))
+
+    def test_out_tag(self):
+        def add_out(x: torch.Tensor, y: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+            out.copy_(x + y)
+            return out
+
+        ours = torch_autobatch.custom_op(f"{NS}::add_out", add_out, mutates_args={"out"}, tags=torch.Tag.out)
+        theirs = torch.library.custom_op(f"{NS}::add_out_ref", add_out, mutates_args={"out"}, tags=torch.Tag.out)
+        self.assertEqual(str(ours._opoverload._schema).split("(", 1)[1], str(theirs._opoverload._schema).split("(", 1)[1])
+        for op in (ours, theirs):
+            o = torch.zeros(3)
+            self.assertIs(op(torch.ones(3), torch.ones(3), out=o), o)
+            self.assertEqual(o, torch.full((3,), 2.0))
+        O = torch.zeros(4, 3)
+        vmap(lambda x, o: ours(x, x, out=o))(torch.ones(4, 3), O)
+        self.assertEqual(O, torch.full((4, 3), 2.0))
+        torch.library.opcheck(ours, (torch.ones(3), torch.ones(3)), {"out": torch.zeros(3)})
+        torch._dynamo.reset()
+        o = torch.zeros(3)
+        got = torch.compile(lambda x, o: ours(x, x, out=o) * 2, backend="inductor", fullgraph=True)(torch.ones(3), o)
+        self.assertEqual((o, got), (torch.full((3,), 2.0), torch.full((3,), 4.0)))
+
+    def test_refused_where_torch_library_refuses(self):
+        def typed(fn):
+            def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return fn(x, y)
+
+            return f
+
+        cases = [
+            dict(mutates_args={"x"}, tags=(torch.Tag.inplace, torch.Tag.out)),
+            dict(mutates_args={"y"}, tags=torch.Tag.inplace),
+            dict(mutates_args=(), tags=torch.Tag.inplace),
+            dict(mutates_args={"y"}, tags=torch.Tag.out),
+        ]
+        for k, kwargs in enumerate(cases):
+            with self.subTest(kwargs=kwargs):
+                errors = []
+                for lib, ns in ((torch.library.custom_op, f"{NS}_ref"), (torch_autobatch.custom_op, NS)):
+                    with self.assertRaises(Exception) as cm:
+                        lib(f"{ns}::refused{k}", typed(lambda x, y: x), **kwargs)
+                    errors.append((type(cm.exception), str(cm.exception)))
+                self.assertEqual(errors[0], errors[1])
+        # a wrong return, at run time: torch's error
+        def wrong(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x.add_(y)
+            return x.clone()
+
+        op = torch_autobatch.custom_op(f"{NS}::wrong_return", wrong, mutates_args={"x"}, tags=torch.Tag.inplace)
+        with self.assertRaisesRegex(RuntimeError, "An operator tagged with torch.Tag.inplace must return its first argument"):
+            op(torch.zeros(2), torch.ones(2))
+
+
 class TestFakeKernelSource(TestCase):
     def test_source_is_the_users_definition(self):
         @torch_autobatch.custom_op(f"{NS}::fake_source", mutates_args=())

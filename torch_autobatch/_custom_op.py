@@ -731,10 +731,25 @@ def _tangent(t: Any) -> Optional[torch.Tensor]:
 
 
 def _check_schema(qualname: str, schema: str) -> None:
-    """Refuses what our kernels cannot honour; mutation (``Tensor(a!)``) is fine."""
+    """Refuses what our kernels cannot honour.
+
+    Mutation (``Tensor(a!)``) is fine, and so is returning a mutated argument
+    (``(Tensor(a!) x) -> Tensor(a!)``: ``tags=torch.Tag.inplace`` / ``out``);
+    a view of an input (``(Tensor(a) x) -> Tensor(a)``) is not.
+    """
     parsed = torch._C.parse_schema(qualname + schema)
+    mutated_sets = {
+        frozenset(a.alias_info.before_set)
+        for a in parsed.arguments
+        if a.alias_info is not None and a.alias_info.is_write
+    }
     aliasing = [a for a in parsed.arguments if a.alias_info is not None and not a.alias_info.is_write]
-    if aliasing or any(r.alias_info is not None for r in parsed.returns):
+    returns_a_view = any(
+        r.alias_info is not None
+        and not (r.alias_info.is_write and frozenset(r.alias_info.before_set) in mutated_sets)
+        for r in parsed.returns
+    )
+    if aliasing or returns_a_view:
         raise NotImplementedError(
             f"torch_autobatch.custom_op({qualname!r}): the schema {schema!r} declares "
             f"an output that aliases an input (a view, or a returned mutated input), "
@@ -801,8 +816,9 @@ def custom_op(
                 f"'namespace::name' (e.g. 'mylib::softclip'), got {name!r}."
             )
         namespace, opname = name.split("::", 1)
+        # (tags: torch.Tag.inplace / out give the return's aliasing, as in torch.library)
         op_schema = schema if schema is not None else infer_schema(
-            f, mutates_args=mutates_args
+            f, mutates_args=mutates_args, tags=_torch_custom_ops._normalize_tags(tags)
         )
         _check_schema(name, op_schema)
         if schema is not None:
