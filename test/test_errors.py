@@ -675,8 +675,8 @@ class TestDefinitionErrors(TestCase):
                 return x.clone()
 
     def test_aliasing_schema(self):
-        # Mutation is supported (test_mutation.py); a schema whose output
-        # aliases an input is not.
+        # Mutation is supported (test_mutation.py), and so is returning a
+        # mutated argument (test_definitions.py); a view of an input is not.
         with self.assertRaises(NotImplementedError) as cm:
             torch_autobatch.custom_op(
                 f"{NS}::err_schema_alias", lambda x: x, mutates_args=(),
@@ -684,7 +684,7 @@ class TestDefinitionErrors(TestCase):
             )
         self.assertExpectedInline(
             str(cm.exception),
-            """torch_autobatch.custom_op('tab_test::err_schema_alias'): the schema '(Tensor(a) x) -> Tensor(a)' declares an output that aliases an input (a view, or a returned mutated input), which is not supported; return new tensors (mutating inputs, Tensor(a!) with mutates_args, is supported).""",
+            """torch_autobatch.custom_op('tab_test::err_schema_alias'): the schema '(Tensor(a) x) -> Tensor(a)' declares an output that is a view of an input (Tensor(a)), which is not supported; return new tensors, or return a mutated argument (Tensor(a!) with mutates_args and tags=torch.Tag.inplace or torch.Tag.out).""",
         )
         self.assertFalse(hasattr(torch.ops.tab_test, "err_schema_alias"))
 

@@ -752,9 +752,9 @@ def _check_schema(qualname: str, schema: str) -> None:
     if aliasing or returns_a_view:
         raise NotImplementedError(
             f"torch_autobatch.custom_op({qualname!r}): the schema {schema!r} declares "
-            f"an output that aliases an input (a view, or a returned mutated input), "
-            f"which is not supported; return new tensors (mutating inputs, "
-            f"Tensor(a!) with mutates_args, is supported)."
+            f"an output that is a view of an input (Tensor(a)), which is not supported; "
+            f"return new tensors, or return a mutated argument (Tensor(a!) with "
+            f"mutates_args and tags=torch.Tag.inplace or torch.Tag.out)."
         )
 
 
