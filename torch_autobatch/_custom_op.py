@@ -557,10 +557,13 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
     # NOTE [The per-call Python of a grad node]
     # _setup_autograd (forward) and _run_backward (backward) are the only
     # Python our Autograd kernel and grad node run around the user's
-    # functions; each is one frame with the common case inlined. Six frames
-    # less (ctx.__init__, the save_for_backward override and its check, the
-    # saved_tensors property, two helpers) took 2.6% of the instructions off a
-    # small op's forward + backward (benchmarks/bench_instructions.py).
+    # functions: two frames forward (_setup_autograd, _call_setup_context:
+    # one home for setup_context's checks, on every path), one backward; the
+    # saved tensors come from C (NOTE [Saved tensors belong to the call]).
+    # Six frames less (ctx.__init__, the save_for_backward override and its
+    # check, the saved_tensors property, two helpers) took 2.6% of the
+    # instructions off a small op's forward + backward
+    # (benchmarks/bench_instructions.py).
     def _setup_autograd(
         self, inputs: tuple[Any, ...], output: Any, needs_input_grad: tuple[bool, ...]
     ) -> BackwardContext:
@@ -568,16 +571,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         ctx.needs_input_grad = needs_input_grad
         setup = self._setup_context_fn
         if setup is not None:
-            if self._ab.setup_context_kwonly:
-                self._call_setup_context(setup, True, ctx, inputs, output)
-            else:
-                try:
-                    setup(ctx, inputs, output)
-                except AttributeError as e:
-                    self._reraise_assigned_saved_tensors(e, setup, ctx)
-                    raise
-                if ctx.dirty_tensors:
-                    self._reject_dirty(setup)
+            self._call_setup_context(setup, self._ab.setup_context_kwonly, ctx, inputs, output)
         return ctx
 
     def _run_backward(self, ctx: BackwardContext, grads: tuple[Any, ...]) -> tuple[Any, ...]:
