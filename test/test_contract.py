@@ -272,6 +272,19 @@ class TestBroadcastGradients(TestCase):
         self.assertEqual(got, expected)
 
 
+class TestPythonCppBoundary(TestCase):
+    def test_every_attribute_the_kernels_look_up_exists(self):
+        # NOTE [The Python side of the kernels] (csrc/python_interop.h): a
+        # rename on the Python side would otherwise break a kernel at run time.
+        from torch_autobatch import _C
+
+        op = torch_autobatch.custom_op(f"{NS}::boundary", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor")
+        names = _C._python_side_names()
+        self.assertIn("_setup_autograd", names)
+        for name in names:
+            self.assertTrue(hasattr(op, name), name)
+
+
 class TestTorchLibrarySurface(TestCase):
     def test_is_a_torch_library_custom_op_def(self):
         self.assertIsInstance(bcast_mul, torch._library.custom_ops.CustomOpDef)
