@@ -551,6 +551,8 @@ void BatchedKernel::run_loop(
   std::vector<c10::IValue> args(
       stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
   torch::jit::drop(*stack, num_args);
+  const std::vector<c10::IValue> batched_args =
+      state_->returns_an_argument ? args : std::vector<c10::IValue>{};
 
   // Unwrap once; move every batch dim to the front. One flag per tensor of
   // each argument: is it batched at this level?
@@ -588,6 +590,11 @@ void BatchedKernel::run_loop(
   }
   for (size_t r = 0; r < num_returns; ++r) {
     torch::jit::push(*stack, at::functorch::makeBatched(at::stack(results[r]), 0, level));
+  }
+  // Each example mutated its slice of the argument in place; the op returns
+  // the argument itself (NOTE [Returned mutated arguments]), not a stack.
+  if (state_->returns_an_argument) {
+    return_the_arguments(*state_, batched_args, stack);
   }
 }
 

@@ -277,14 +277,17 @@ void set_output_tangents(
     const std::vector<at::Tensor>& outputs,
     const std::vector<at::Tensor>& tangents,
     bool skip_returned) {
-  const auto returned = returned_arguments(state, ret_slots, outputs.size());
+  std::vector<bool> returned;
+  if (state.returns_an_argument) {
+    returned = returned_arguments(state, ret_slots, outputs.size());
+  }
   for (size_t k = 0; k < outputs.size(); ++k) {
     const at::Tensor& out = outputs[k];
     if (!tangents[k].defined() || !out.defined() ||
         !torch::autograd::isDifferentiableType(out.scalar_type())) {
       continue;
     }
-    if (!returned[k]) {
+    if (returned.empty() || !returned[k]) {
       out._set_fw_grad(tangents[k], /*level=*/0, /*is_inplace_op=*/false);
     } else if (!skip_returned) {
       set_inplace_fw_grad(out, tangents[k]); // NOTE [Returned mutated arguments]

@@ -152,12 +152,15 @@ CustomOpNode::CustomOpNode(
 
 void CustomOpNode::set_history(const std::vector<at::Tensor>& outputs) {
   differentiable_.reserve(outputs.size());
-  const auto returned = returned_arguments(*state_, ret_slots_, outputs.size());
+  std::vector<bool> returned; // empty unless the op returns an argument (hot path)
+  if (state_->returns_an_argument) {
+    returned = returned_arguments(*state_, ret_slots_, outputs.size());
+  }
   for (size_t k = 0; k < outputs.size(); ++k) {
     const at::Tensor& out = outputs[k];
     const bool diff = out.defined() &&
         torch::autograd::isDifferentiableType(out.scalar_type());
-    if (diff && returned[k]) {
+    if (diff && !returned.empty() && returned[k]) {
       // A returned mutated argument: its history moves onto this node, as an
       // in-place op's does (a view's base gets a CopySlices): NOTE
       // [Returned mutated arguments].
@@ -379,6 +382,9 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
 void CustomOpNode::require_gradient_of_returned_argument(size_t arg) const {
   // NOTE [Mutating ops]: the op mutated and returned this argument, which
   // required grad; a None would silently drop its history's gradient.
+  if (!state_->returns_an_argument) {
+    return;
+  }
   const auto& aliases = state_->return_aliases;
   if (std::find(aliases.begin(), aliases.end(), static_cast<int64_t>(arg)) == aliases.end()) {
     return;

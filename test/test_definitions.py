@@ -289,6 +289,30 @@ class TestInplaceAndOutTags(TestCase):
         vmap(self.op)(torch.zeros(4, 3), Yr).sum().backward()
         self.assertEqual(Yr.grad, self.dy(Y))
 
+    def test_vmap_loop_and_rule_return_the_argument_too(self):
+        # The same input, the same answer, on each batched path.
+        loop = torch_autobatch.custom_op(
+            f"{NS}::add_sin_loop", _add_sin_, mutates_args={"x"}, vmap="loop",
+            schema="(Tensor(a!) x, Tensor y) -> Tensor(a!)", tags=torch.Tag.inplace,
+        )
+        ruled = self._inplace(torch_autobatch.custom_op, "add_sin_ruled")
+
+        @ruled.register_vmap
+        def _(info, in_dims, x, y):
+            y = y.movedim(in_dims[1], in_dims[0]) if in_dims[1] is not None else y
+            _add_sin_(x, y)
+            return x, in_dims[0]
+
+        Y = _x(4, 3).float()
+        for op in (self.op, loop, ruled):
+            with self.subTest(op=str(op)):
+                X = torch.zeros(4, 3)
+                returned = []
+                out = vmap(lambda x, y: returned.append(op(x, y) is x) or x)(X, Y)
+                self.assertEqual(returned, [True])
+                self.assertEqual(X, torch.sin(Y))
+                self.assertEqual(out, X)
+
     def test_forward_mode(self):
         import torch.autograd.forward_ad as fwAD
 
