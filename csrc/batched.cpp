@@ -23,6 +23,7 @@
 #include "functorch.h"
 #include "grad_node.h"
 
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -110,7 +111,17 @@ class BatchedKernel final : public c10::OperatorKernel {
       return;
     }
     const auto layer = at::functorch::maybeCurrentDynamicLayer();
-    TORCH_INTERNAL_ASSERT(layer.has_value() && layer->key() == TransformType::Vmap);
+    // A BatchedTensor reaches FuncTorchBatched outside the vmap that made it
+    // when it escaped (a closure, a tensor constant of make_fx(vmap(f),
+    // pre_dispatch=True)): functorch's error for aten ops, naming the op.
+    TORCH_CHECK(
+        layer.has_value() && layer->key() == TransformType::Vmap,
+        "torch_autobatch: ", state_->qualname,
+        " received a BatchedTensor outside the vmap that created it. Either "
+        "your tensor may have escaped from inside a function being vmapped and "
+        "this is a user error (see "
+        "https://pytorch.org/functorch/stable/ux_limitations.html), or a tracer "
+        "recorded a batched tensor as a constant.");
     const int64_t level = layer->layerId();
     const auto& schema = op.schema();
     const size_t num_args = schema.arguments().size();
@@ -135,7 +146,7 @@ class BatchedKernel final : public c10::OperatorKernel {
     const bool under_ad = SentDownFromAD::level() > level;
     SentDownFromAD not_sent_down(0);
     const auto mode = state_->vmap_mode.load();
-    if (mode == VmapMode::Loop) {
+    if (mode == VmapMode::Loop || trace_keeps_op(schema, *layer)) {
       run_loop(op, *layer, stack);
       return;
     }
@@ -290,6 +301,28 @@ class BatchedKernel final : public c10::OperatorKernel {
         "torch_autobatch.custom_op(..., vmap=\"loop\") to run it once per "
         "example (slower, correct for values and gradients).");
   }
+
+  // NOTE [A trace keeps the op]
+  // A graph tracer below vmap (make_fx, in any tracing mode; the retrace of
+  // torch.export's run_decompositions(); aot_function) records the aten ops
+  // that reach its mode at the Python key, and no autograd. Run once on
+  // BatchedTensors, the composite reaches it as the function's aten ops: the
+  // op, and with it the registered backward and jvp, would vanish from the
+  // graph, and differentiating the traced program later would silently use
+  // the decomposition's derivatives. So under such a tracer the op runs once
+  // per example (the vmap="loop" path), and each call reaches the tracer as
+  // the op itself, rules and all, as torch.library's ops do. The composite
+  // runs only where the tracer's decomposition table asks for the op's
+  // decomposition: the user's own table lists the op, or the table is
+  // Inductor's (torch.compile), where AOTAutograd has already traced the
+  // op's rules through autograd and a graph is never differentiated again
+  // (_compile.py). The tracer is found by its mode key, so eager calls pay
+  // one TLS read. Two cases cannot run per example, and keep the composite
+  // with a Python warning naming the op and the way out: returns other than
+  // Tensor (they cannot be stacked), and a symbolic batch size (a dynamic
+  // batch dim of torch.export, make_fx's "symbolic" mode), which the loop
+  // would specialise to the traced size with no guard make_fx enforces.
+  bool trace_keeps_op(const c10::FunctionSchema& schema, const DynamicLayer& layer) const;
 
   // The user's register_vmap rule, through torch's helper for such rules.
   void run_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) const;
@@ -537,6 +570,54 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
   } catch (py::error_already_set& e) {
     rethrow_python_error(e);
   }
+}
+
+bool BatchedKernel::trace_keeps_op(
+    const c10::FunctionSchema& schema,
+    const DynamicLayer& layer) const {
+  if (!c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::PROXY)
+           .has_value()) {
+    return false;
+  }
+  py::gil_scoped_acquire gil;
+  bool dissolves = false;
+  try {
+    dissolves = call_method(state_->opdef(), py_names().dissolves_in_trace, {}).cast<bool>();
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+  if (dissolves) {
+    return false;
+  }
+  std::string why;
+  for (const auto& r : schema.returns()) {
+    if (why.empty() && r.real_type()->kind() != c10::TypeKind::TensorType) {
+      why = c10::str("that needs Tensor returns, and it returns ", r.type()->str());
+    }
+  }
+  if (why.empty() && !layer.batchSize().maybe_as_int().has_value()) {
+    why = "that needs a static batch size, and this one is symbolic (a dynamic "
+          "batch dim of torch.export, make_fx's tracing_mode=\"symbolic\")";
+  }
+  if (why.empty()) {
+    return true;
+  }
+  // A Python warning (a C++ TORCH_WARN here reaches no Python handler).
+  const std::string msg = c10::str(
+      "torch_autobatch: vmap of ", state_->qualname,
+      " is being traced into a graph (make_fx, torch.export's "
+      "run_decompositions, aot_function), where it would run once per "
+      "example so that the graph keeps the op and its registered rules; ",
+      why,
+      ". The graph holds the op's decomposition instead: differentiating "
+      "the traced program uses the function's own derivatives, not the "
+      "registered backward or jvp. Trace the transform itself "
+      "(make_fx(vmap(grad(f)))) rather than differentiating the traced "
+      "program, or trace with a static batch size and Tensor returns.");
+  if (PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) != 0) {
+    throw python_error(); // warnings are errors
+  }
+  return false;
 }
 
 void BatchedKernel::run_loop(

@@ -77,6 +77,7 @@ PYBIND11_MODULE(_C, m) {
         py::list out;
         for (PyObject* name : {n.setup_autograd, n.run_backward, n.run_jvp,
                                n.composite_tangents, n.run_vmap_rule, n.check_aliasing,
+                               n.dissolves_in_trace,
                                n.backward_fn_name, n.jvp_fn_name, n.backend_fns}) {
           out.append(py::handle(name));
         }

@@ -29,6 +29,7 @@ const PyNames& py_names() {
       PyUnicode_InternFromString("_composite_tangents"),
       PyUnicode_InternFromString("_run_vmap_rule"),
       PyUnicode_InternFromString("_check_aliasing"),
+      PyUnicode_InternFromString("_dissolves_in_trace"),
       PyUnicode_InternFromString("_backward_fn_name"),
       PyUnicode_InternFromString("_jvp_fn_name"),
       PyUnicode_InternFromString("_backend_fns"),

@@ -69,6 +69,7 @@ struct PyNames {
   PyObject* composite_tangents; // forward mode: derived from the function
   PyObject* run_vmap_rule; // vmap: the user's register_vmap rule
   PyObject* check_aliasing; // torch.library's aliasing error
+  PyObject* dissolves_in_trace; // vmap under a graph trace: NOTE [A trace keeps the op]
   PyObject* backward_fn_name; // for error messages
   PyObject* jvp_fn_name;
   // torch's CustomOpDef attribute: device type -> backend function.

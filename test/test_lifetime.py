@@ -119,6 +119,29 @@ class TestRedefinition(TestCase):
         self.assertIsNone(ref(), "the old op object is kept alive")
         self.assertIsNone(registration(), "its kernels' registration is kept alive")
 
+    def test_inductor_table_lists_the_live_definition_only(self):
+        # NOTE [Inductor sees the function] (_compile.py): a stale entry would
+        # fuse the old function into a compiled call of the new op.
+        import torch._inductor.decomposition as decomp
+
+        table = decomp.select_decomp_table()
+        old = self._ours("inductor")
+        overload = old._opoverload
+        self.assertIs(table[overload], old._ab.inductor_decomposition)
+        new = self._ours("inductor", fn=torch.tanh)
+        self.assertIs(table[new._opoverload], new._ab.inductor_decomposition)
+        old._destroy_kernels()  # the old definition going away late leaves the new entry
+        self.assertIs(table[new._opoverload], new._ab.inductor_decomposition)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: new(x) * 2, backend="inductor", fullgraph=True)
+        self.assertEqual(compiled(self.x), 2 * torch.tanh(self.x))
+
+        @torch.library.custom_op(f"{NS}::inductor", mutates_args=())
+        def by_torch(x: torch.Tensor) -> torch.Tensor:
+            return torch.cos(x)
+
+        self.assertNotIn(by_torch._opoverload, table)
+
     def test_registration_destroy(self):
         op = self._ours("destroyed")
         self.assertTrue(op._ab.registration.registered)

@@ -32,7 +32,7 @@ from torch._library import simple_registry
 from torch._library import utils as _library_utils
 from torch._library.infer_schema import infer_schema
 
-from . import _C
+from . import _C, _compile
 from ._autograd import BackwardContext, run_jvp
 
 # Batched-kernel modes (csrc/autobatch.h VmapMode).
@@ -119,6 +119,7 @@ class _OpExtras:
     __slots__ = (
         "kwarg_only", "positional_grads_ok", "num_returns", "setup_context_kwonly",
         "jvp_fn", "jvp_setup_context_fn", "jvp_setup_context_kwonly", "registration",
+        "inductor_decomposition",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -133,6 +134,8 @@ class _OpExtras:
         self.jvp_setup_context_fn: Optional[Callable[..., Any]] = None
         self.jvp_setup_context_kwonly = False
         self.registration: Any = None  # _C's handle on our kernels' OpState
+        #: Its entry in Inductor's table (NOTE [Inductor sees the function]), or None.
+        self.inductor_decomposition: Optional[Callable[..., Any]] = None
 
 
 class CustomOpDef(_torch_custom_ops.CustomOpDef):
@@ -169,6 +172,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         tags: Any = None,
         *,
         define: bool = True,
+        compile: str = "fuse",
     ) -> None:
         # define=False: the operator exists already (autobatch()); only our
         # kernels are added to it.
@@ -181,12 +185,12 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 # its errors: the user's definition, as for torch.library's ops.
                 self._set_fake_source(source)
                 self.register_kernel(device_types)(fn)
-            self._install(vmap)
+            self._install(vmap, compile)
         except BaseException:
             _undo_registration(f"{namespace}::{name}", self)
             raise
 
-    def _install(self, vmap: str) -> None:
+    def _install(self, vmap: str, compile: str = "fuse") -> None:
         """Installs our kernels (Autograd, FuncTorchBatched) on this op.
 
         Also what turns a torch.library CustomOpDef into ours in place
@@ -217,6 +221,8 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             self._ab.registration.set_vmap_mode(_VMAP_LOOP)
         elif self._vmap_fn is not None:
             self._ab.registration.set_vmap_mode(_VMAP_RULE)
+        if compile == "fuse":
+            _compile.list_for_inductor(self)  # NOTE [Inductor sees the function]
         self.__name__ = self._name
         self.__qualname__ = self._name
         self.__doc__ = self._init_fn.__doc__
@@ -228,6 +234,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
     def _destroy_kernels(self) -> None:
         """Deregisters our C++ kernels (torch destroying the op's Library calls this)."""
         self._ab.registration.destroy()
+        _compile.unlist_for_inductor(self)
 
     # The op's function, for introspection (inspect.signature, inspect.unwrap,
     # help()); properties rather than instance attributes, which vmap(op)
@@ -487,6 +494,26 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             **kwargs,
         )
         return (out,) if self._ab.num_returns == 1 else tuple(out)
+
+    def _dissolves_in_trace(self) -> bool:
+        """Vmap under a graph tracer: may the op's function stand for it (NOTE [A trace keeps the op])?"""
+        return _compile.dissolves_in_trace(self._opoverload)
+
+    def _decompose_for_inductor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The op's function, for Inductor to fuse (NOTE [Inductor sees the function]).
+
+        ``NotImplemented`` (the tracer then records the op as one node) when
+        the function cannot be traced, or is not a Python function we hold.
+        """
+        fns = self._backend_fns
+        device = _compile.first_device_type(args, kwargs)
+        fn = fns.get(device, fns.get(None))
+        if fn is None or not self._define:
+            return NotImplemented
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            return NotImplemented
 
     def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""
@@ -762,6 +789,7 @@ def custom_op(
     schema: Optional[str] = None,
     tags: Any = None,
     vmap: str = "auto",
+    compile: str = "fuse",
 ) -> Any:
     """Makes a Python function built from torch ops into a dispatcher operator.
 
@@ -797,10 +825,19 @@ def custom_op(
             so each torch op inside is batched by its own rule. ``"loop"``:
             one call per example, for a ``fn`` that cannot be batched (uses
             ``.item()``, ``.numpy()``, or Python control flow on tensor values).
+        compile: under ``torch.compile``, ``"fuse"`` (default): Inductor
+            sees the function's torch ops and fuses across them, while the
+            compiled backward (and jvp) are the registered ones.
+            ``"opaque"``: the op stays one call Inductor runs as an extern
+            kernel. ``torch.export`` keeps the op as one node either way.
     """
     if vmap not in ("auto", "loop"):
         raise ValueError(
             f"torch_autobatch.custom_op({name!r}): vmap must be 'auto' or 'loop', got {vmap!r}."
+        )
+    if compile not in _compile.COMPILE_MODES:
+        raise ValueError(
+            f"torch_autobatch.custom_op({name!r}): compile must be 'fuse' or 'opaque', got {compile!r}."
         )
 
     def inner(f: Callable[..., Any]) -> CustomOpDef:
@@ -824,6 +861,6 @@ def custom_op(
                     f"torch_autobatch.custom_op({name!r}): mutates_args={mutates_args!r} "
                     f"but the schema {schema!r} mutates {sorted(written)}; make them agree."
                 )
-        return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags)
+        return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags, compile=compile)
 
     return inner if fn is None else inner(fn)

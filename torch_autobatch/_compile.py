@@ -1,0 +1,183 @@
+"""What graph tracers and compilers see of an op: its node, or its function.
+
+NOTE [Inductor sees the function]
+``torch.compile``'s AOTAutograd traces the op through our Autograd kernel,
+which attaches the op's grad node (the registered backward and jvp) before
+the op reaches the tracer's mode at the Python key; the tracer then records
+the op as one node, or, when the op is in the tracer's decomposition table,
+the aten ops of the function. Inductor cannot fuse through a node it must
+run as an extern kernel (the Python function, eagerly), so each op is listed
+in Inductor's decomposition table, and in no other: torch.export and
+make_fx keep the op as one node, and ``run_decompositions()`` decomposes it
+only where the user's table lists it. By the time Inductor's table applies,
+the rules are already in the joint graph (or, for an inference graph, never
+needed: a compiled graph is never differentiated again), so the user's
+rules are what the compiled backward runs.
+
+Inductor's module costs seconds to import, and its table is built when it
+is: the ops are listed once it is imported (a one-shot import hook if it is
+not yet), in the table ``select_decomp_table()`` returns (under Inductor's
+debug ``config.fallback_random`` the ops stay extern calls). A marker op listed there too
+tells the batched kernel that a trace is Inductor's (NOTE [A trace keeps the
+op], csrc/batched.cpp). ``compile="opaque"`` keeps an op out of the table:
+it stays one extern call.
+
+A function that cannot be traced (it leaves torch: ``.item()``, ``.numpy()``,
+Python control flow on values) makes the decomposition return
+``NotImplemented``, and the tracer records the op as one node instead.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+import weakref
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from ._custom_op import CustomOpDef
+
+__all__ = ["COMPILE_MODES", "dissolves_in_trace", "list_for_inductor", "unlist_for_inductor"]
+
+#: The values of ``custom_op(..., compile=...)``.
+COMPILE_MODES = ("fuse", "opaque")
+
+_INDUCTOR_DECOMPOSITION = "torch._inductor.decomposition"
+_lock = threading.Lock()
+# The decompositions to list in Inductor's table, keyed by op overload;
+# filled before Inductor is imported, applied when it is.
+_pending: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+_hook_installed = False
+
+_MARKER_LIB = torch.library.Library("torch_autobatch", "FRAGMENT")  # noqa: TOR901
+_MARKER_LIB.define("_inductor_marker(Tensor x) -> Tensor")
+#: Listed in Inductor's table only: its presence identifies that table.
+_MARKER = torch.ops.torch_autobatch._inductor_marker.default
+
+
+def _inductor_table(module: ModuleType) -> dict[Any, Callable[..., Any]]:
+    """The dict ``select_decomp_table()`` returns by default, on torch 2.13-2.15.
+
+    ``fast_random_decomps()`` is a ``functools.cache``: the same dict on each
+    call. Its source, ``decompositions``, is also the table Inductor checks
+    that no op it runs as an extern kernel has a decomposition in: an op
+    whose decomposition returned ``NotImplemented`` must not be listed there.
+    """
+    return module.fast_random_decomps()
+
+
+def _apply(module: ModuleType) -> None:
+    with _lock:
+        entries = dict(_pending)
+    table = _inductor_table(module)
+    table.update(entries)
+    table[_MARKER] = _marker_decomposition
+    # config.fallback_random returns ``decompositions`` itself: the marker
+    # only (the ops stay extern calls there).
+    module.decompositions[_MARKER] = _marker_decomposition
+
+
+def _marker_decomposition(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``_apply`` once Inductor's decomposition module has executed."""
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != _INDUCTOR_DECOMPOSITION:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _apply(module)
+
+
+def _sync() -> None:
+    global _hook_installed
+    module = sys.modules.get(_INDUCTOR_DECOMPOSITION)
+    if module is not None and hasattr(module, "fast_random_decomps"):
+        _apply(module)
+    elif not _hook_installed:
+        _hook_installed = True
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def list_for_inductor(opdef: CustomOpDef) -> None:
+    """Lists ``opdef`` in Inductor's decomposition table (NOTE [Inductor sees the function])."""
+    ref = weakref.ref(opdef)
+    overload = opdef._opoverload
+
+    def decomposition(*args: Any, **kwargs: Any) -> Any:
+        op = ref()
+        out = NotImplemented if op is None else op._decompose_for_inductor(args, kwargs)
+        if out is NotImplemented:
+            # Inductor refuses to run as an extern kernel an op its table
+            # lists: unlisted, the op stays opaque from now on.
+            _unlist(overload, decomposition)
+        return out
+
+    decomposition.__name__ = f"torch_autobatch_{opdef._name}"
+    opdef._ab.inductor_decomposition = decomposition
+    with _lock:
+        _pending[overload] = decomposition
+    _sync()
+
+
+def unlist_for_inductor(opdef: CustomOpDef) -> None:
+    """Removes the op's entry (its definition is gone: NOTE [Kernels die with their op])."""
+    decomposition = opdef._ab.inductor_decomposition
+    if decomposition is not None:
+        _unlist(opdef._opoverload, decomposition)
+
+
+def _unlist(overload: torch._ops.OpOverload, decomposition: Callable[..., Any]) -> None:
+    # Only this op's own entry: a redefinition under the same name may have
+    # listed the new op's already.
+    tables: list[dict[Any, Callable[..., Any]]] = [_pending]
+    module = sys.modules.get(_INDUCTOR_DECOMPOSITION)
+    if module is not None and hasattr(module, "fast_random_decomps"):
+        tables.append(_inductor_table(module))
+    with _lock:
+        for table in tables:
+            if table.get(overload) is decomposition:
+                del table[overload]
+
+
+def dissolves_in_trace(overload: torch._ops.OpOverload) -> bool:
+    """Does the active graph tracer decompose this op (NOTE [A trace keeps the op])?
+
+    True when the tracer's decomposition table lists the op (the user asked
+    for its decomposition) or is Inductor's (rules already traced).
+    """
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    table = getattr(mode, "decomposition_table", None)
+    if not table:
+        return False
+    return overload in table or _MARKER in table
+
+
+def first_device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[str]:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return None
