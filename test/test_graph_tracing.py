@@ -9,7 +9,11 @@ would silently use their derivatives. Every op here has a backward that is
 the op differentiates to the true derivative and fails.
 """
 
-import warnings
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -291,6 +295,44 @@ class TestInductor(TestCase):
         out, code = self._compiled_code(lambda x: leaves(x) + 1, x)
         self.assertIn("tab_graph.leaves", code)
         self.assertEqual(out, x * x.abs().max() + 1)
+
+    def test_the_compile_cache_follows_the_function_and_the_rules(self):
+        # NOTE [The compile cache key names the function] (_compile.py):
+        # AOTAutograd's on-disk cache keys by Dynamo's graph, where the op is
+        # one node by name; another process whose op computes something else
+        # under the same name got the first one's compiled code.
+        script = textwrap.dedent("""
+            import sys, torch, torch_autobatch
+            from torch._dynamo.utils import counters
+            FN = getattr(torch, sys.argv[1])
+            SCALE = float(sys.argv[2])
+
+            @torch_autobatch.custom_op("tab_graph_cache::f", mutates_args=())
+            def f(x: torch.Tensor) -> torch.Tensor:
+                return FN(x)
+
+            f.register_autograd(lambda ctx, g: SCALE * g, setup_context=lambda ctx, inputs, output: None)
+            x = torch.ones(3, requires_grad=True)
+            y = torch.compile(lambda x: f(x) * 2, backend="inductor", fullgraph=True)(x)
+            (g,) = torch.autograd.grad(y.sum(), x)
+            torch.testing.assert_close(y, 2 * FN(x))
+            torch.testing.assert_close(g, torch.full((3,), 2 * SCALE))
+            print(counters["aot_autograd"]["autograd_cache_hit"])
+        """)
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+            def run(*args):
+                done = subprocess.run(
+                    [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300
+                )
+                self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+                return int(done.stdout.split()[-1])
+
+            self.assertEqual(run("sin", "2"), 0)
+            self.assertEqual(run("sin", "2"), 1)  # the same op: served from the cache
+            run("sin", "3")  # another backward under the same name
+            run("cos", "3")  # another function
 
     def test_export_keeps_one_node_for_an_op_inductor_fuses(self):
         class M(torch.nn.Module):

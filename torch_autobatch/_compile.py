@@ -22,6 +22,19 @@ tells the batched kernel that a trace is Inductor's (NOTE [A trace keeps the
 op], csrc/batched.cpp). ``compile="opaque"`` keeps an op out of the table:
 it stays one extern call.
 
+NOTE [The compile cache key names the function]
+AOTAutograd's cache keys a compiled graph by Dynamo's graph, where the op is
+one node named ``ns.name``: a fused op's function, and the registered
+rules traced into the joint graph, are not in that key, and a later process
+whose op has another function under the same name would be served the old
+compiled code. Inductor's ``unsafe_marked_cacheable_functions`` (keyed by
+``torch.ops.ns.name``) is part of every cache key; each op listed here puts
+a fingerprint there: the source of its function and of each registered
+rule, and what the global and closure names they use are (a module, a
+function by name and source, a value by repr, a tensor by its bytes). It is
+taken when Inductor is imported and again at each registration, so a global
+rebound between a registration and a compile is not seen.
+
 A function that cannot be traced (it leaves torch: ``.item()``, ``.numpy()``,
 Python control flow on values) makes the decomposition return
 ``NotImplemented``, and the tracer records the op as one node instead.
@@ -29,10 +42,15 @@ Python control flow on values) makes the decomposition return
 
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
+import marshal
+import os
 import sys
+import types
 import threading
 import weakref
 from types import ModuleType
@@ -44,7 +62,14 @@ from torch.utils import _pytree as pytree
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
 
-__all__ = ["COMPILE_MODES", "dissolves_in_trace", "list_for_inductor", "unlist_for_inductor"]
+__all__ = [
+    "COMPILE_MODES",
+    "dissolves_in_trace",
+    "fingerprint",
+    "list_for_inductor",
+    "refresh_cache_key",
+    "unlist_for_inductor",
+]
 
 #: The values of ``custom_op(..., compile=...)``.
 COMPILE_MODES = ("fuse", "opaque")
@@ -54,6 +79,8 @@ _lock = threading.Lock()
 # The decompositions to list in Inductor's table, keyed by op overload;
 # filled before Inductor is imported, applied when it is.
 _pending: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+# The listed ops, for their cache-key fingerprints (NOTE [The compile cache key names the function]).
+_listed: "weakref.WeakSet[CustomOpDef]" = weakref.WeakSet()
 _hook_installed = False
 
 _MARKER_LIB = torch.library.Library("torch_autobatch", "FRAGMENT")  # noqa: TOR901
@@ -73,9 +100,16 @@ def _inductor_table(module: ModuleType) -> dict[Any, Callable[..., Any]]:
     return module.fast_random_decomps()
 
 
-def _apply(module: ModuleType) -> None:
+def _apply(module: ModuleType, ops: Optional[list[CustomOpDef]] = None) -> None:
+    """Lists ``ops`` (default: every op listed so far) in Inductor's table."""
     with _lock:
-        entries = dict(_pending)
+        if ops is None:
+            ops = list(_listed)
+            entries = dict(_pending)
+        else:
+            entries = {op._opoverload: _pending[op._opoverload] for op in ops if op._opoverload in _pending}
+    for opdef in ops:
+        refresh_cache_key(opdef)
     table = _inductor_table(module)
     table.update(entries)
     table[_MARKER] = _marker_decomposition
@@ -112,11 +146,11 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _apply(module)
 
 
-def _sync() -> None:
+def _sync(opdef: CustomOpDef) -> None:
     global _hook_installed
     module = sys.modules.get(_INDUCTOR_DECOMPOSITION)
     if module is not None and hasattr(module, "fast_random_decomps"):
-        _apply(module)
+        _apply(module, [opdef])
     elif not _hook_installed:
         _hook_installed = True
         sys.meta_path.insert(0, _AfterImport())
@@ -140,7 +174,8 @@ def list_for_inductor(opdef: CustomOpDef) -> None:
     opdef._ab.inductor_decomposition = decomposition
     with _lock:
         _pending[overload] = decomposition
-    _sync()
+        _listed.add(opdef)
+    _sync(opdef)
 
 
 def unlist_for_inductor(opdef: CustomOpDef) -> None:
@@ -161,6 +196,97 @@ def _unlist(overload: torch._ops.OpOverload, decomposition: Callable[..., Any]) 
         for table in tables:
             if table.get(overload) is decomposition:
                 del table[overload]
+
+
+def refresh_cache_key(opdef: CustomOpDef) -> None:
+    """Puts the op's fingerprint in Inductor's cache keys, once Inductor is imported."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None or opdef not in _listed:
+        return
+    key = f"torch.ops.{opdef._namespace}.{opdef._name}"
+    marked = dict(config.unsafe_marked_cacheable_functions)
+    marked[key] = fingerprint(opdef)
+    config.unsafe_marked_cacheable_functions = marked
+
+
+def fingerprint(opdef: CustomOpDef) -> str:
+    """A digest of what the op computes: its function and rules (NOTE [The compile cache key names the function]).
+
+    Where a value cannot be described, a digest of this process only: the
+    op's compiled graphs are then not reused by another process.
+    """
+    ab = opdef._ab
+    rules = [
+        opdef._init_fn, *opdef._backend_fns.values(), opdef._backward_fn, opdef._setup_context_fn,
+        ab.jvp_fn, ab.jvp_setup_context_fn, opdef._vmap_fn, opdef._abstract_fn,
+    ]
+    h = hashlib.sha256(f"{opdef._qualname}{opdef._schema}".encode())
+    try:
+        for rule in rules:
+            h.update(_describe(rule, depth=2).encode())
+    except Exception:
+        h.update(_PROCESS_NONCE)
+    return h.hexdigest()[:32]
+
+
+_PROCESS_NONCE = os.urandom(16)
+# Containers and tensors are described up to these sizes (larger ones by type and shape).
+_MAX_ITEMS, _MAX_NUMEL = 64, 1 << 16
+
+
+def _describe(obj: Any, depth: int) -> str:
+    """A process-independent description of ``obj`` for :func:`fingerprint`."""
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    if isinstance(obj, types.FunctionType):
+        try:
+            text = inspect.getsource(obj)
+        except (OSError, TypeError):
+            text = marshal.dumps(obj.__code__).hex()
+        if depth <= 0:
+            return f"fn:{obj.__qualname__}:{text}"
+        parts = [text]
+        for name in sorted(_names(obj.__code__)):
+            if name in obj.__globals__:
+                parts.append(f"{name}={_describe(obj.__globals__[name], depth - 1)}")
+        for cell in obj.__closure__ or ():
+            try:
+                parts.append(_describe(cell.cell_contents, depth - 1))
+            except ValueError:  # an empty cell
+                parts.append("<empty>")
+        return "fn:" + "|".join(parts)
+    if isinstance(obj, types.ModuleType):
+        return f"module:{obj.__name__}"
+    if isinstance(obj, torch.Tensor):
+        return _describe_tensor(obj)
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype)):
+        return repr(obj)
+    if isinstance(obj, (tuple, list)):
+        if len(obj) > _MAX_ITEMS:
+            return f"{type(obj).__name__}:{len(obj)}"
+        return "[" + ",".join(_describe(v, depth) for v in obj) + "]"
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if isinstance(name, str):  # a class, a builtin, a torch function
+        return f"{getattr(obj, '__module__', '')}.{name}"
+    text = repr(obj)
+    return type(obj).__qualname__ if " at 0x" in text else f"{type(obj).__qualname__}:{text[:256]}"
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return f"tensor:{type(t).__qualname__}"  # a subclass or a transform's wrapper (escaped from it)
+    head = f"tensor:{t.dtype}:{tuple(t.shape)}"
+    if t.device.type == "meta" or t.numel() > _MAX_NUMEL:
+        return head
+    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return f"{head}:{hashlib.sha256(data.numpy().tobytes()).hexdigest()}"
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 def dissolves_in_trace(overload: torch._ops.OpOverload) -> bool:

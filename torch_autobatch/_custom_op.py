@@ -360,6 +360,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         else:
             super().register_autograd(backward, setup_context=setup_context)
         self._ab.setup_context_kwonly = self._kwonly_form(setup_context)
+        _compile.refresh_cache_key(self)
         return backward
 
     def register_fake(self, fn: F, /) -> F:
@@ -385,6 +386,16 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             )
         result = super().register_fake(fn)
         self._set_fake_source(_user_source())
+        _compile.refresh_cache_key(self)
+        return result
+
+    def register_kernel(self, device_types: DeviceTypes, fn: Optional[Callable[..., Any]] = None, /) -> Any:
+        """torch.library's ``register_kernel``; the compile cache key follows (NOTE [The compile cache key names the function])."""
+        if fn is None:
+            return lambda f: self.register_kernel(device_types, f)
+        result = super().register_kernel(device_types, fn)
+        if hasattr(self, "_ab"):
+            _compile.refresh_cache_key(self)
         return result
 
     @overload
@@ -442,6 +453,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         self._ab.jvp_setup_context_fn = setup_context
         self._ab.jvp_setup_context_kwonly = self._kwonly_form(setup_context)
         self._ab.registration.set_has_jvp(True)
+        _compile.refresh_cache_key(self)
         return jvp
 
     def register_vmap(self, rule: Optional[F] = None, /) -> Any:
@@ -476,6 +488,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             )
         self._vmap_fn = rule
         self._ab.registration.set_vmap_mode(_VMAP_RULE)
+        _compile.refresh_cache_key(self)
         return rule
 
     # ------------------------------------- called by the C++ kernels (internal)
