@@ -56,6 +56,14 @@ VARIANT_DESC = {
 # Number of times each variant's Python body has run (a plain int increment,
 # done identically in every variant so the overhead is the same for all).
 CALLS = {v: 0 for v in VARIANTS}
+# Off for torch.compile: a counter bumped inside a compiled function is a
+# side effect Dynamo guards on (a recompile per call).
+COUNT = True
+
+
+def _count(v: str) -> None:
+    if COUNT:
+        CALLS[v] += 1
 
 
 # --------------------------------------------------------------------- the op
@@ -82,14 +90,14 @@ def _backward(ctx, grad_out):
 
 # (d) plain function
 def f_plain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    CALLS["d"] += 1
+    _count("d")
     return _body(x, y)
 
 
 # (a) torch.library.custom_op, no vmap rule -> loop fallback
 @torch.library.custom_op("bench_lib::f_loop", mutates_args=())
 def f_loop(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    CALLS["a"] += 1
+    _count("a")
     return _body(x, y)
 
 
@@ -99,7 +107,7 @@ f_loop.register_autograd(_backward, setup_context=_setup_context)
 # (b) torch.library.custom_op + hand-written vmap rule
 @torch.library.custom_op("bench_lib::f_rule", mutates_args=())
 def f_rule(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    CALLS["b"] += 1
+    _count("b")
     return _body(x, y)
 
 
@@ -123,7 +131,7 @@ class FFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x, y):
-        CALLS["c"] += 1
+        _count("c")
         return _body(x, y)
 
     @staticmethod
@@ -155,11 +163,25 @@ def f_func(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # (t) torch_autobatch.custom_op
 @torch_autobatch.custom_op("bench_lib::f_tab", mutates_args=())
 def f_tab(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    CALLS["t"] += 1
+    _count("t")
     return _body(x, y)
 
 
 f_tab.register_autograd(_backward, setup_context=_setup_context)
+
+# (tf) the same with an explicit fake kernel (torch.compile's "slower with
+# register_fake" question), and fake kernels for torch.library's ops, which
+# torch.compile needs.
+@torch_autobatch.custom_op("bench_lib::f_tab_fake", mutates_args=())
+def f_tab_fake(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    _count("tf")
+    return _body(x, y)
+
+
+f_tab_fake.register_autograd(_backward, setup_context=_setup_context)
+for _op in (f_loop, f_rule, f_tab_fake):
+    _op.register_fake(lambda x, y: torch.empty_like(torch.broadcast_tensors(x, y)[0]))
+CALLS["tf"] = 0
 
 OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "d": f_plain,
@@ -167,6 +189,7 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "b": f_rule,
     "c": f_func,
     "t": f_tab,
+    "tf": f_tab_fake,
 }
 
 

@@ -97,12 +97,12 @@ def _fail_cell(exc: BaseException) -> Cell:
     return {"fail": f"{type(exc).__name__}: {first}" if first else type(exc).__name__}
 
 
-def _check(out: Any, expected: Any) -> Optional[Cell]:
-    """None if ``out`` matches ``expected``, else a "wrong" cell."""
+def _check(out: Any, expected: Any, tol: Optional[float] = None) -> Optional[Cell]:
+    """None if ``out`` matches ``expected`` (within ``tol``, default assert_close's), else a "wrong" cell."""
     if expected is None:
         return None
     try:
-        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(out, expected, **({} if tol is None else {"rtol": tol, "atol": tol}))
     except AssertionError as exc:
         zeros = isinstance(out, torch.Tensor) and not bool(out.any())
         detail = "all zeros" if zeros else str(exc).strip().splitlines()[0]
@@ -115,6 +115,7 @@ def measure_row(
     expected: Any,
     cfg: Config,
     counters: Optional[dict[str, int]] = None,
+    tol: Optional[float] = None,
 ) -> tuple[dict[str, Cell], dict[str, int]]:
     """Checks then times one row's variants, interleaved (NOTE [Interleaved medians]).
 
@@ -139,7 +140,7 @@ def measure_row(
         except Exception as exc:  # noqa: BLE001 - a failing variant is a result
             cells[v] = _fail_cell(exc)
             continue
-        wrong = _check(out, expected)
+        wrong = _check(out, expected, tol)
         if wrong is not None:
             cells[v] = wrong
             continue
@@ -176,6 +177,13 @@ OP_LABELS = {
     "b": "custom_op + `register_vmap`",
     "c": "`autograd.Function`",
     "t": "**torch_autobatch**",
+}
+COMPILED_LABELS = {
+    "d": "plain",
+    "a": "`torch.library.custom_op`",
+    "c": "`autograd.Function`",
+    "t": "**torch_autobatch**",
+    "tf": "torch_autobatch + `register_fake`",
 }
 # One colour per variant in every plot, whichever variants have points there.
 COLORS = {"d": "tab:blue", "a": "tab:orange", "b": "tab:purple", "c": "tab:red", "t": "tab:green", "p": "tab:gray"}
@@ -218,6 +226,15 @@ GROUPS: dict[str, Group] = {
         Group("overhead", "Unbatched call, x, y: (64,)",
               "No transform. The backward row includes `x.grad = None` before each step.",
               "call", {k: OP_LABELS[k] for k in "dact"}, False),
+        Group("compiled", "`torch.compile` (Inductor), X, Y: (B, 64)",
+              "Every variant compiled with `torch.compile(fn, fullgraph=True)` (one compile per "
+              "row and variant), then timed. `torch.library.custom_op` and the last column have "
+              "a `register_fake`; torch_autobatch's default fake kernel is the op's function. "
+              "Inductor's and AOTAutograd's caches are off, so every compile is a cold one. "
+              "The forward + backward row is `op(op(x, y), y).sum().backward()` w.r.t. x; "
+              "`grad` and `vmap(grad)` differentiate `op(x, y).sum()` w.r.t. x; `jvp` pushes "
+              "a tangent of x. The second table is each compile's time (the first call).",
+              "row", COMPILED_LABELS, False),
         Group("tracer", "Tracer: one MLP training step, traced vs untraced",
               "`model.zero_grad(set_to_none=True); model(x).sum().backward()` (zero_grad "
               "inside the timing for every variant); traced: the forward inside `with "
@@ -328,6 +345,85 @@ def run_overhead(cfg: Config) -> list[Row]:
     return rows
 
 
+def run_compiled(cfg: Config) -> list[Row]:
+    import bench_vmap as b
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch.func import jvp
+
+    b.COUNT = False
+    # Compile times are cold ones: no cache (the variants whose graphs come out
+    # the same, plain and fused ones, would share one compile).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    for name in ("recompile_limit", "cache_size_limit"):  # one code object per case, compiled per B
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+
+    def backward(op: Callable, X: torch.Tensor, Y: torch.Tensor) -> Callable[[], Any]:
+        step = torch.compile(lambda x, y: op(op(x, y), y).sum(), fullgraph=True)
+        xr = X.clone().requires_grad_()
+
+        def run() -> torch.Tensor:
+            xr.grad = None
+            step(xr, Y).backward()
+            return xr.grad
+
+        return run
+
+    def plain_grad_twice(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+        xr = X.clone().requires_grad_()
+        b._body(b._body(xr, Y), Y).sum().backward()
+        return xr.grad
+
+    def compiled(fn: Callable, *args: Any) -> Callable[[], Any]:
+        c = torch.compile(fn, fullgraph=True)
+        return lambda: c(*args)
+
+    cases: dict[str, tuple[Callable[..., Callable[[], Any]], Callable[..., Any]]] = {
+        "forward, `op(op(x, y), y)`": (
+            lambda op, X, Y, T: compiled(lambda x, y: op(op(x, y), y), X, Y),
+            lambda X, Y, T: b._body(b._body(X, Y), Y)),
+        "forward + `.backward()`": (
+            lambda op, X, Y, T: backward(op, X, Y),
+            lambda X, Y, T: plain_grad_twice(X, Y)),
+        "`vmap(op)`": (
+            lambda op, X, Y, T: compiled(vmap(op), X, Y),
+            lambda X, Y, T: b._body(X, Y)),
+        "`grad`": (
+            lambda op, X, Y, T: compiled(grad(lambda x, y: op(x, y).sum()), X, Y),
+            lambda X, Y, T: b._vjp(torch.ones_like(X), X, Y)[0]),
+        "`vmap(grad)`": (
+            lambda op, X, Y, T: compiled(vmap(grad(lambda x, y: op(x, y).sum())), X, Y),
+            lambda X, Y, T: b._vjp(torch.ones_like(X), X, Y)[0]),
+        "`jvp` w.r.t. x": (
+            lambda op, X, Y, T: compiled(lambda x, y, t: jvp(lambda x: op(x, y), (x,), (t,))[1], X, Y, T),
+            lambda X, Y, T: T * Y * torch.cos(X) + T.sum(-1, keepdim=True)),
+    }
+    rows = []
+    for case, (make_case, reference) in cases.items():
+        for bsz in ([100] if cfg.quick else [1, 100, 1000]):
+            g = torch.Generator().manual_seed(bsz)
+            X, Y, T = (torch.randn(bsz, b.D, generator=g, dtype=b.DTYPE) for _ in range(3))
+            compile_s: dict[str, float] = {}
+
+            def make(v: str, make_case=make_case, X=X, Y=Y, T=T) -> Callable[[], Any]:
+                fn = make_case(b.OPS[v], X, Y, T)
+                t0 = time.perf_counter()
+                try:
+                    fn()  # compiles
+                finally:
+                    compile_s[v] = time.perf_counter() - t0
+                return fn
+
+            makers = {v: (lambda v=v: make(v)) for v in COMPILED_LABELS}
+            # Inductor reorders the sums: float32 results differ in the 5th digit.
+            cells, _ = measure_row(makers, reference(X, Y, T), cfg, tol=1e-3)
+            rows.append({"key": f"{case}, B={bsz}", "cells": cells, "compile_s": compile_s})
+            torch._dynamo.reset()
+    return rows
+
+
 def run_tracer(cfg: Config) -> list[Row]:
     import bench_tracer as bt
 
@@ -366,6 +462,7 @@ RUNNERS: dict[str, Callable[[Config], list[Row]]] = {
     "per_sample_grad_w": run_per_sample_grad_w,
     "jac": run_jac,
     "overhead": run_overhead,
+    "compiled": run_compiled,
     "tracer": run_tracer,
 }
 assert RUNNERS.keys() == GROUPS.keys()
@@ -508,6 +605,15 @@ def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         out.append("")
         for i, note in enumerate(notes, 1):
             out.append(f"({i}) {note}  ")
+        if any("compile_s" in row for row in res["rows"]):
+            out += ["", "Compile time of each cell (s, the first call):", ""]
+            out.append("| " + " | ".join([group.first_col] + list(group.labels.values())) + " |")
+            out.append("|" + "|".join([":---"] + ["---:"] * len(group.labels)) + "|")
+            for row in res["rows"]:
+                times = [f"{row['compile_s'][v]:.1f}" if v in row.get("compile_s", {}) else "-"
+                         for v in group.labels]
+                out.append("| " + " | ".join([str(row["key"])] + times) + " |")
+            out.append("")
         calls = _calls_note(group, res["rows"])
         if calls:
             out.append(calls)

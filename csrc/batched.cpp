@@ -595,6 +595,12 @@ bool BatchedKernel::trace_keeps_op(
       why = c10::str("that needs Tensor returns, and it returns ", r.type()->str());
     }
   }
+  if (why.empty() && layer.randomness() == RandomnessType::Same) {
+    // Restoring the generators between examples (as run_loop does eagerly)
+    // is not in the graph: its replay would draw each example's own numbers.
+    why = "that draws random numbers per example, and this vmap has "
+          "randomness=\"same\"";
+  }
   if (why.empty() && !layer.batchSize().maybe_as_int().has_value()) {
     why = "that needs a static batch size, and this one is symbolic (a dynamic "
           "batch dim of torch.export, make_fx's tracing_mode=\"symbolic\")";
@@ -655,8 +661,23 @@ void BatchedKernel::run_loop(
     run_loop_empty(op, args, batched, level, stack);
     return;
   }
+  // randomness="same": every example draws the numbers the first one drew.
+  std::optional<RngStates> rng_before;
+  if (layer.randomness() == RandomnessType::Same) {
+    std::vector<at::Tensor> tensors;
+    for (const auto& a : args) {
+      map_tensors(a, [&](const at::Tensor& t, size_t) {
+        tensors.push_back(t);
+        return t;
+      });
+    }
+    rng_before.emplace(tensors);
+  }
   std::vector<std::vector<at::Tensor>> results(num_returns);
   for (int64_t b = 0; b < batch_size; ++b) {
+    if (rng_before && b > 0) {
+      rng_before->restore();
+    }
     torch::jit::Stack call;
     for (size_t a = 0; a < num_args; ++a) {
       call.push_back(map_tensors(args[a], [&](const at::Tensor& t, size_t k) {

@@ -160,6 +160,16 @@ class TestTracedVmapKeepsTheRules(TestCase):
             ep = ep.run_decompositions()
         self.assertEqual(ep.module()(x5, w5), torch.sin(x5) * w5)
 
+    def test_randomness_same_warns_that_the_graph_holds_the_decomposition(self):
+        # Generators put back between examples at trace time are not in the
+        # graph: its replay would draw each example's own numbers.
+        x, w = _inputs()
+        with self.assertWarnsRegex(UserWarning, r"vmap of tab_graph::op is being traced.*randomness=\"same\""):
+            gm = make_fx(torch.vmap(op, randomness="same"))(x, w)
+        self.assertEqual(_op_nodes(gm, op._opoverload), 0)
+        gm = make_fx(torch.vmap(op, randomness="different"))(x, w)
+        self.assertEqual(_op_nodes(gm, op._opoverload), B)
+
     def test_make_fx_records_the_op_once_per_example(self):
         x, w = _inputs()
         gm = make_fx(torch.vmap(op))(x, w)
@@ -333,6 +343,32 @@ class TestInductor(TestCase):
             self.assertEqual(run("sin", "2"), 1)  # the same op: served from the cache
             run("sin", "3")  # another backward under the same name
             run("cos", "3")  # another function
+
+    def test_upgraded_ops_fuse_or_stay_opaque(self):
+        x, _ = _inputs()
+
+        @torch.library.custom_op(f"{NS}::upgraded", mutates_args=())
+        def upgraded(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x)
+
+        upgraded.register_fake(lambda x: torch.empty_like(x))
+        upgraded.register_autograd(
+            lambda ctx, g: 2 * g * torch.cos(ctx.x), setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
+        )
+        torch_autobatch.autobatch(upgraded)
+        xg = x.clone().requires_grad_()
+        out, code = self._compiled_code(lambda x: upgraded(x) * 2, xg)
+        self.assertNotIn("tab_graph", code)
+        self.assertEqual(torch.autograd.grad(out.sum(), xg)[0], 4 * torch.cos(x))
+        # A torch.library.Library kernel is not a function we can trace: one extern call.
+        lib = torch.library.Library(NS, "FRAGMENT")  # noqa: TOR901
+        lib.define("library_kernel(Tensor x) -> Tensor")
+        lib.impl("library_kernel", lambda x: torch.cos(x), "CompositeExplicitAutograd")
+        self.addCleanup(lib._destroy)
+        library_kernel = torch_autobatch.autobatch(f"{NS}::library_kernel")
+        out, code = self._compiled_code(lambda x: library_kernel(x) * 2, x)
+        self.assertIn("tab_graph.library_kernel", code)
+        self.assertEqual(out, 2 * torch.cos(x))
 
     def test_export_keeps_one_node_for_an_op_inductor_fuses(self):
         class M(torch.nn.Module):

@@ -362,6 +362,29 @@ class TestVmap(TestCase):
             vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x)
         )
 
+    def test_loop_mode_randomness_same_draws_one_sample_for_all(self):
+        # As for a plain function: every example gets the numbers one draw
+        # gives, and the generator ends where that one draw leaves it.
+        @torch_autobatch.custom_op("tab_vmap::looped_noise", mutates_args=(), vmap="loop")
+        def noise(x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)
+
+        def plain(x):
+            return x + torch.rand_like(x)
+
+        x = torch.zeros(3, 2, dtype=torch.float64)
+        for randomness in ("same", "different"):
+            torch.manual_seed(0)
+            got, after = vmap(noise, randomness=randomness)(x), torch.rand(1)
+            torch.manual_seed(0)
+            want, want_after = vmap(plain, randomness=randomness)(x), torch.rand(1)
+            if randomness == "same":
+                self.assertEqual(got, want)
+                self.assertEqual(after, want_after)
+            else:
+                self.assertEqual(got.shape, want.shape)
+                self.assertNotEqual(got[0], got[1])
+
     def test_loop_mode_over_no_examples(self):
         # A result with a batch dimension of 0, of one example's shape and
         # dtype (torch's loop fallback refuses B=0): from the fake kernel, or

@@ -516,12 +516,13 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         """The op's function, for Inductor to fuse (NOTE [Inductor sees the function]).
 
         ``NotImplemented`` (the tracer then records the op as one node) when
-        the function cannot be traced, or is not a Python function we hold.
+        the function cannot be traced (it leaves torch; or it is the stand-in
+        of a ``torch.library.Library`` kernel we cannot see, which raises).
         """
         fns = self._backend_fns
         device = _compile.first_device_type(args, kwargs)
         fn = fns.get(device, fns.get(None))
-        if fn is None or not self._define:
+        if fn is None:
             return NotImplemented
         try:
             return fn(*args, **kwargs)
