@@ -13,6 +13,7 @@ The build records the torch it compiled against in
 refuses to load the extension (NOTE [Supported torch window]).
 """
 
+import os
 import runpy
 import warnings
 from pathlib import Path
@@ -25,7 +26,12 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = Path(__file__).resolve().parent
 VERSION = runpy.run_path(str(ROOT / "torch_autobatch" / "_version.py"))
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
-CXX_FLAGS = ["-O2", "-fvisibility=hidden", "-Wno-unused-parameter"]
+# DEBUG=1 pip install --no-build-isolation -e .  builds for a debugger or valgrind:
+# no optimisation, full debug info, assertions on (the last -O and -U win over
+# Python's own -O3 -DNDEBUG).
+DEBUG = os.environ.get("DEBUG", "0") not in ("", "0")
+CXX_FLAGS = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O2"]
+CXX_FLAGS += ["-fvisibility=hidden", "-Wno-unused-parameter"]
 BUILD_INFO = ROOT / "torch_autobatch" / "_build_info.py"
 
 torch_version = TorchVersion(torch.__version__)
@@ -68,5 +74,5 @@ setup(
     ],
     cmdclass={"build_ext": BuildWithInfo},
     install_requires=[VERSION["TORCH_REQUIREMENT"]],
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # the Python CI runs
 )

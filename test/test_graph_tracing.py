@@ -281,9 +281,10 @@ class TestInductor(TestCase):
         out, code = self._compiled_code(torch.vmap(counted), x, w)
         self.assertNotIn("tab_graph", code)
         self.assertEqual(out, torch.sin(x) * w)
-        per_example = torch.vmap(torch.func.grad(lambda x, w: counted(x, w).sum()))
-        out, code = self._compiled_code(per_example, x, w)
-        self.assertEqual(out, 2 * torch.cos(x) * w)
+        for transform in (torch.func.grad, lambda f: torch.vmap(torch.func.grad(f))):
+            out, code = self._compiled_code(transform(lambda x, w: counted(x, w).sum()), x, w)
+            self.assertNotIn("tab_graph", code)
+            self.assertEqual(out, 2 * torch.cos(x) * w)
 
     def test_opaque_stays_one_extern_call(self):
         x, w = _inputs()
