@@ -230,7 +230,9 @@ GROUPS: dict[str, Group] = {
               "Every variant compiled with `torch.compile(fn, fullgraph=True)` (one compile per "
               "row and variant), then timed. `torch.library.custom_op` and the last column have "
               "a `register_fake`; torch_autobatch's default fake kernel is the op's function. "
-              "Inductor's and AOTAutograd's caches are off, so every compile is a cold one. "
+              "AOTAutograd's and Inductor's graph caches are off; Inductor's C++ kernel cache is "
+              "not, so variants whose fused kernels come out identical share one kernel build, "
+              "paid by the first of them compiled in a row (plain). "
               "The forward + backward row is `op(op(x, y), y).sum().backward()` w.r.t. x; "
               "`grad` and `vmap(grad)` differentiate `op(x, y).sum()` w.r.t. x; `jvp` pushes "
               "a tangent of x. The second table is each compile's time (the first call).",
