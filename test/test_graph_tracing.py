@@ -72,6 +72,7 @@ pair.register_autograd(
 )
 
 B, N = 3, 4
+_SCALE = 2.0  # read by an op's function: test_the_fingerprint_follows_each_rule_and_the_globals_they_use
 
 
 def _inputs():
@@ -342,8 +343,27 @@ class TestInductor(TestCase):
 
             self.assertEqual(run("sin", "2"), 0)
             self.assertEqual(run("sin", "2"), 1)  # the same op: served from the cache
-            run("sin", "3")  # another backward under the same name
-            run("cos", "3")  # another function
+            run("cos", "3")  # another function and backward under the same name
+
+    def test_the_fingerprint_follows_each_rule_and_the_globals_they_use(self):
+        from torch_autobatch import _compile
+
+        global _SCALE
+        op = torch_autobatch.custom_op(f"{NS}::fingerprinted", lambda x: x * _SCALE, mutates_args=(), schema="(Tensor x) -> Tensor")
+        first = _compile.fingerprint(op)
+        self.assertEqual(_compile.fingerprint(op), first)  # the same in every process
+        _SCALE = 3.0
+        self.addCleanup(globals().__setitem__, "_SCALE", 2.0)
+        second = _compile.fingerprint(op)
+        self.assertNotEqual(second, first)
+        op.register_autograd(lambda ctx, g: 2 * g, setup_context=lambda ctx, inputs, output: None)
+        third = _compile.fingerprint(op)
+        self.assertNotEqual(third, second)
+        op.register_autograd(lambda ctx, g: 3 * g, setup_context=lambda ctx, inputs, output: None)
+        self.assertNotEqual(_compile.fingerprint(op), third)
+        import torch._inductor.config as config
+
+        self.assertEqual(config.unsafe_marked_cacheable_functions[f"torch.ops.{NS}.fingerprinted"], _compile.fingerprint(op))
 
     def test_upgraded_ops_fuse_or_stay_opaque(self):
         x, _ = _inputs()
