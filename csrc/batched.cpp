@@ -317,11 +317,13 @@ class BatchedKernel final : public c10::OperatorKernel {
   // Inductor's (torch.compile), where AOTAutograd has already traced the
   // op's rules through autograd and a graph is never differentiated again
   // (_compile.py). The tracer is found by its mode key, so eager calls pay
-  // one TLS read. Two cases cannot run per example, and keep the composite
+  // one TLS read. Three cases cannot run per example, and keep the composite
   // with a Python warning naming the op and the way out: returns other than
-  // Tensor (they cannot be stacked), and a symbolic batch size (a dynamic
-  // batch dim of torch.export, make_fx's "symbolic" mode), which the loop
-  // would specialise to the traced size with no guard make_fx enforces.
+  // Tensor (they cannot be stacked); randomness="same" (generators put back
+  // between examples at trace time are not in the graph); and a symbolic
+  // batch size (a dynamic batch dim of torch.export, make_fx's "symbolic"
+  // mode), which the loop would specialise to the traced size with no guard
+  // make_fx enforces.
   bool trace_keeps_op(const c10::FunctionSchema& schema, const DynamicLayer& layer) const;
 
   // The user's register_vmap rule, through torch's helper for such rules.

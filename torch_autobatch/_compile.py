@@ -50,8 +50,8 @@ import inspect
 import marshal
 import os
 import sys
-import types
 import threading
+import types
 import weakref
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -93,9 +93,9 @@ def _inductor_table(module: ModuleType) -> dict[Any, Callable[..., Any]]:
     """The dict ``select_decomp_table()`` returns by default, on torch 2.13-2.15.
 
     ``fast_random_decomps()`` is a ``functools.cache``: the same dict on each
-    call. Its source, ``decompositions``, is also the table Inductor checks
-    that no op it runs as an extern kernel has a decomposition in: an op
-    whose decomposition returned ``NotImplemented`` must not be listed there.
+    call. Inductor also checks that no op it runs as an extern kernel is
+    listed in it, so an op whose decomposition returned ``NotImplemented`` is
+    taken out (``list_for_inductor``).
     """
     return module.fast_random_decomps()
 
@@ -151,9 +151,11 @@ def _sync(opdef: CustomOpDef) -> None:
     module = sys.modules.get(_INDUCTOR_DECOMPOSITION)
     if module is not None and hasattr(module, "fast_random_decomps"):
         _apply(module, [opdef])
-    elif not _hook_installed:
-        _hook_installed = True
-        sys.meta_path.insert(0, _AfterImport())
+        return
+    with _lock:
+        if not _hook_installed:
+            _hook_installed = True
+            sys.meta_path.insert(0, _AfterImport())
 
 
 def list_for_inductor(opdef: CustomOpDef) -> None:
