@@ -362,8 +362,11 @@ class TestInductor(TestCase):
         op.register_autograd(lambda ctx, g: 3 * g, setup_context=lambda ctx, inputs, output: None)
         self.assertNotEqual(_compile.fingerprint(op), third)
         import torch._inductor.config as config
+        import torch._inductor.decomposition  # noqa: F401  (what a compile imports first)
 
         self.assertEqual(config.unsafe_marked_cacheable_functions[f"torch.ops.{NS}.fingerprinted"], _compile.fingerprint(op))
+        # An opaque op's registered rules are traced into the joint graph too.
+        self.assertIn(f"torch.ops.{NS}.opaque", config.unsafe_marked_cacheable_functions)
 
     def test_upgraded_ops_fuse_or_stay_opaque(self):
         x, _ = _inputs()

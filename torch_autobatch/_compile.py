@@ -28,12 +28,15 @@ one node named ``ns.name``: a fused op's function, and the registered
 rules traced into the joint graph, are not in that key, and a later process
 whose op has another function under the same name would be served the old
 compiled code. Inductor's ``unsafe_marked_cacheable_functions`` (keyed by
-``torch.ops.ns.name``) is part of every cache key; each op listed here puts
-a fingerprint there: the source of its function and of each registered
+``torch.ops.ns.name``) is part of every cache key; each op puts
+a fingerprint there (an opaque op too: its rules are traced into the joint
+graph): the source of its function and of each registered
 rule, and what the global and closure names they use are (a module, a
 function by name and source, a value by repr, a tensor by its bytes). It is
 taken when Inductor is imported and again at each registration, so a global
-rebound between a registration and a compile is not seen.
+rebound between a registration and a compile is not seen. A mutable global
+described by value (a dict of counters) moves the fingerprint when it
+changes: a cache miss, never a stale hit.
 
 A function that cannot be traced (it leaves torch: ``.item()``, ``.numpy()``,
 Python control flow on values) makes the decomposition return
@@ -66,8 +69,8 @@ __all__ = [
     "COMPILE_MODES",
     "dissolves_in_trace",
     "fingerprint",
-    "list_for_inductor",
     "refresh_cache_key",
+    "register",
     "unlist_for_inductor",
 ]
 
@@ -79,8 +82,9 @@ _lock = threading.Lock()
 # The decompositions to list in Inductor's table, keyed by op overload;
 # filled before Inductor is imported, applied when it is.
 _pending: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
-# The listed ops, for their cache-key fingerprints (NOTE [The compile cache key names the function]).
-_listed: "weakref.WeakSet[CustomOpDef]" = weakref.WeakSet()
+# Every op (listed or opaque), for its cache-key fingerprint (NOTE [The
+# compile cache key names the function]).
+_ops: "weakref.WeakSet[CustomOpDef]" = weakref.WeakSet()
 _hook_installed = False
 
 _MARKER_LIB = torch.library.Library("torch_autobatch", "FRAGMENT")  # noqa: TOR901
@@ -95,16 +99,16 @@ def _inductor_table(module: ModuleType) -> dict[Any, Callable[..., Any]]:
     ``fast_random_decomps()`` is a ``functools.cache``: the same dict on each
     call. Inductor also checks that no op it runs as an extern kernel is
     listed in it, so an op whose decomposition returned ``NotImplemented`` is
-    taken out (``list_for_inductor``).
+    taken out (``_list``).
     """
     return module.fast_random_decomps()
 
 
 def _apply(module: ModuleType, ops: Optional[list[CustomOpDef]] = None) -> None:
-    """Lists ``ops`` (default: every op listed so far) in Inductor's table."""
+    """Lists ``ops`` (default: every op so far) in Inductor's table, the fused ones, and fingerprints them."""
     with _lock:
         if ops is None:
-            ops = list(_listed)
+            ops = list(_ops)
             entries = dict(_pending)
         else:
             entries = {op._opoverload: _pending[op._opoverload] for op in ops if op._opoverload in _pending}
@@ -152,14 +156,24 @@ def _sync(opdef: CustomOpDef) -> None:
     if module is not None and hasattr(module, "fast_random_decomps"):
         _apply(module, [opdef])
         return
+    refresh_cache_key(opdef)  # Inductor's config may be loaded without its table
     with _lock:
         if not _hook_installed:
             _hook_installed = True
             sys.meta_path.insert(0, _AfterImport())
 
 
-def list_for_inductor(opdef: CustomOpDef) -> None:
-    """Lists ``opdef`` in Inductor's decomposition table (NOTE [Inductor sees the function])."""
+def register(opdef: CustomOpDef, fuse: bool) -> None:
+    """Fingerprints ``opdef`` for the compile caches and, with ``fuse``, lists
+    it in Inductor's decomposition table (NOTE [Inductor sees the function])."""
+    with _lock:
+        _ops.add(opdef)
+    if fuse:
+        _list(opdef)
+    _sync(opdef)
+
+
+def _list(opdef: CustomOpDef) -> None:
     ref = weakref.ref(opdef)
     overload = opdef._opoverload
 
@@ -176,8 +190,6 @@ def list_for_inductor(opdef: CustomOpDef) -> None:
     opdef._ab.inductor_decomposition = decomposition
     with _lock:
         _pending[overload] = decomposition
-        _listed.add(opdef)
-    _sync(opdef)
 
 
 def unlist_for_inductor(opdef: CustomOpDef) -> None:
@@ -203,7 +215,7 @@ def _unlist(overload: torch._ops.OpOverload, decomposition: Callable[..., Any]) 
 def refresh_cache_key(opdef: CustomOpDef) -> None:
     """Puts the op's fingerprint in Inductor's cache keys, once Inductor is imported."""
     config = sys.modules.get("torch._inductor.config")
-    if config is None or opdef not in _listed:
+    if config is None or opdef not in _ops:
         return
     key = f"torch.ops.{opdef._namespace}.{opdef._name}"
     marked = dict(config.unsafe_marked_cacheable_functions)

@@ -221,8 +221,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             self._ab.registration.set_vmap_mode(_VMAP_LOOP)
         elif self._vmap_fn is not None:
             self._ab.registration.set_vmap_mode(_VMAP_RULE)
-        if compile == "fuse":
-            _compile.list_for_inductor(self)  # NOTE [Inductor sees the function]
+        _compile.register(self, fuse=compile == "fuse")  # NOTE [Inductor sees the function]
         self.__name__ = self._name
         self.__qualname__ = self._name
         self.__doc__ = self._init_fn.__doc__
