@@ -379,6 +379,8 @@ class TestInductor(TestCase):
         upgraded.register_autograd(
             lambda ctx, g: 2 * g * torch.cos(ctx.x), setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
         )
+        with self.assertRaisesRegex(ValueError, "compile must be 'fuse' or 'opaque', got 'inline'"):
+            torch_autobatch.autobatch(upgraded, compile="inline")
         torch_autobatch.autobatch(upgraded)
         xg = x.clone().requires_grad_()
         out, code = self._compiled_code(lambda x: upgraded(x) * 2, xg)
@@ -393,6 +395,16 @@ class TestInductor(TestCase):
         out, code = self._compiled_code(lambda x: library_kernel(x) * 2, x)
         self.assertIn("tab_graph.library_kernel", code)
         self.assertEqual(out, 2 * torch.cos(x))
+
+        @torch.library.custom_op(f"{NS}::upgraded_opaque", mutates_args=())
+        def upgraded_opaque(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x)
+
+        upgraded_opaque.register_fake(lambda x: torch.empty_like(x))
+        torch_autobatch.autobatch(upgraded_opaque, compile="opaque")
+        out, code = self._compiled_code(lambda x: upgraded_opaque(x) * 2, x)
+        self.assertIn("tab_graph.upgraded_opaque", code)
+        self.assertEqual(out, 2 * torch.sin(x))
 
     def test_export_keeps_one_node_for_an_op_inductor_fuses(self):
         class M(torch.nn.Module):

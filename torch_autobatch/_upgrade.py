@@ -32,6 +32,7 @@ import torch
 from torch._library import custom_ops as _torch_custom_ops
 from torch._library import utils as _library_utils
 
+from . import _compile
 from ._custom_op import CustomOpDef, _check_schema
 
 Operator = Union[_torch_custom_ops.CustomOpDef, torch._ops.OpOverload, torch._ops.OpOverloadPacket, str]
@@ -62,7 +63,7 @@ def _refuse(qualname: str, why: str) -> None:
     raise ValueError(f"torch_autobatch.autobatch({qualname!r}): {why}")
 
 
-def autobatch(op: Operator, /, *, vmap: str = "auto") -> CustomOpDef:
+def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> CustomOpDef:
     """Gives an existing operator torch_autobatch's kernels, in place; returns it as a :class:`CustomOpDef`.
 
     For an operator made with :func:`torch.library.custom_op` (say, by a
@@ -88,9 +89,12 @@ def autobatch(op: Operator, /, *, vmap: str = "auto") -> CustomOpDef:
         op: the operator: its ``CustomOpDef``, ``torch.ops.ns.name`` (or its
             ``.default``), or ``"ns::name"``.
         vmap: as in :func:`custom_op`: ``"auto"`` or ``"loop"``.
+        compile: as in :func:`custom_op`: ``"fuse"`` or ``"opaque"``.
     """
     if vmap not in ("auto", "loop"):
         raise ValueError(f"torch_autobatch.autobatch: vmap must be 'auto' or 'loop', got {vmap!r}.")
+    if compile not in _compile.COMPILE_MODES:
+        raise ValueError(f"torch_autobatch.autobatch: compile must be 'fuse' or 'opaque', got {compile!r}.")
     qualname = _qualname(op)
     opdef = _torch_custom_ops._maybe_get_opdef(qualname)
     if isinstance(opdef, CustomOpDef):
@@ -110,7 +114,7 @@ def autobatch(op: Operator, /, *, vmap: str = "auto") -> CustomOpDef:
         if getattr(opdef._opoverload, "_is_pyobj_dispatcher_enabled", lambda: False)():
             opdef._opoverload._enable_pyobj_dispatch(False)
         opdef.__class__ = CustomOpDef
-        opdef._install(vmap)
+        opdef._install(vmap, compile)
         return opdef  # type: ignore[return-value]
 
     has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)  # noqa: E731
@@ -133,4 +137,4 @@ def autobatch(op: Operator, /, *, vmap: str = "auto") -> CustomOpDef:
         )
 
     kernel_not_visible.__qualname__ = name
-    return CustomOpDef(namespace, name, schema, kernel_not_visible, None, vmap, define=False)
+    return CustomOpDef(namespace, name, schema, kernel_not_visible, None, vmap, define=False, compile=compile)
