@@ -27,7 +27,7 @@ from torch.testing._internal.common_utils import (
 import torch_autobatch
 
 NS = "tab_graph"
-CALLS = {"op": 0, "opaque": 0}
+CALLS = {"op": 0, "opaque": 0, "with_rule": 0, "looped": 0}
 
 
 def _make_op(name: str, **kwargs):
@@ -182,6 +182,21 @@ class TestTracedVmapKeepsTheRules(TestCase):
         ep = torch.export.export(_VmapModule(), (x, w)).run_decompositions()
         self.assertEqual(_op_nodes(ep.graph_module, op._opoverload), B)
 
+    def test_a_vmap_rule_and_vmap_loop_op_keep_the_op_in_a_trace(self):
+        # Every batched path of the kernel (composite above, the register_vmap
+        # rule, vmap="loop") gives the trace the op, and the same gradient.
+        rule_op = _make_op("with_rule")
+        rule_op.register_vmap(lambda info, in_dims, x, w: (rule_op(x.movedim(in_dims[0], 0), w.movedim(in_dims[1], 0)), 0))
+        loop_op = _make_op("looped", vmap="loop")
+        x, w = _inputs()
+        ct, gx, gw = _registered_grads(x, w)
+        for which in (rule_op, loop_op):
+            gm = make_fx(torch.vmap(which))(x, w)
+            self.assertEqual(_op_nodes(gm, which._opoverload), B, which)
+            xg = x.clone().requires_grad_()
+            (got,) = torch.autograd.grad((gm(xg, w) * ct).sum(), xg)
+            self.assertEqual(got, gx)
+
     def test_a_table_that_lists_the_op_decomposes_it_as_asked(self):
         # The user's table asks for the function: the graph holds its aten ops
         # and differentiates as they do, as for an unbatched call.
@@ -286,6 +301,28 @@ class TestInductor(TestCase):
             out, code = self._compiled_code(transform(lambda x, w: counted(x, w).sum()), x, w)
             self.assertNotIn("tab_graph", code)
             self.assertEqual(out, 2 * torch.cos(x) * w)
+
+    def test_compiled_jvp_is_the_registered_one_and_mutation_fuses(self):
+        x, w = _inputs()
+        tx, tw = torch.ones_like(x), torch.zeros_like(w)
+        compiled = torch.compile(lambda x, w, tx, tw: torch.func.jvp(op, (x, w), (tx, tw))[1], backend="inductor", fullgraph=True)
+        torch._dynamo.reset()
+        self.assertEqual(compiled(x, w, tx, tw), _registered_tangent(x, w, tx, tw))
+        batched = torch.compile(
+            torch.vmap(lambda x, w, tx, tw: torch.func.jvp(op, (x, w), (tx, tw))[1]), backend="inductor", fullgraph=True
+        )
+        self.assertEqual(batched(x, w, tx, tw), _registered_tangent(x, w, tx, tw))
+
+        @torch_autobatch.custom_op(f"{NS}::accumulate", mutates_args=("buf",))
+        def accumulate(buf: torch.Tensor, x: torch.Tensor) -> None:
+            buf.add_(torch.sin(x))
+
+        buf = torch.zeros_like(x)
+        out, code = self._compiled_code(lambda buf, x: (accumulate(buf, x), buf * 2)[1], buf, x)
+        self.assertEqual((out, buf), (2 * torch.sin(x), torch.sin(x)))
+        bufs = torch.zeros_like(x)
+        torch.compile(torch.vmap(lambda b, x: (accumulate(b, x), x * 1)[1]), backend="inductor", fullgraph=True)(bufs, x)
+        self.assertEqual(bufs, torch.sin(x))
 
     def test_opaque_stays_one_extern_call(self):
         x, w = _inputs()
