@@ -139,6 +139,27 @@ std::string type_name(py::handle obj) {
   return py::str(py::type::handle_of(obj).attr("__name__"));
 }
 
+// What is wrong with tangent `t` of output `out` ("" if nothing is).
+std::string tangent_mismatch(const at::Tensor& t, const at::Tensor& out, const std::string& where) {
+  std::ostringstream msg;
+  if (!t.sym_sizes().equals(out.sym_sizes())) {
+    msg << "returned a tangent of shape " << t.sym_sizes() << " for " << where
+        << ", which has shape " << out.sym_sizes()
+        << ". Return a tangent of the output's shape.";
+  } else if (t.scalar_type() != out.scalar_type()) {
+    msg << "returned a tangent of dtype " << t.scalar_type() << " for " << where
+        << ", which has dtype " << out.scalar_type() << ". Cast it with .to(output.dtype).";
+  } else if (t.device() != out.device()) {
+    msg << "returned a tangent on device " << t.device() << " for " << where
+        << ", which is on " << out.device() << ". Move it with .to(output.device).";
+  } else if (t.layout() != out.layout()) {
+    msg << "returned a tangent of layout " << t.layout() << " for " << where
+        << ", which has layout " << out.layout()
+        << ". Return a tangent of the output's layout.";
+  }
+  return msg.str();
+}
+
 // NOTE [One gate for every user tangent]. `result`: what CustomOpDef._run_jvp
 // returned (a tuple, one entry per schema return); `outputs`: the op's flat
 // tensor outputs as the jvp saw them. Returns one tangent per flat output
@@ -176,25 +197,9 @@ std::vector<at::Tensor> check_jvp_result(
     if (!out.defined() || !torch::autograd::isDifferentiableType(out.scalar_type())) {
       return; // a non-differentiable output has no tangent to set
     }
-    std::ostringstream msg;
-    if (!t.sym_sizes().equals(out.sym_sizes())) {
-      msg << "returned a tangent of shape " << t.sym_sizes() << " for " << where
-          << ", which has shape " << out.sym_sizes()
-          << ". Return a tangent of the output's shape.";
-    } else if (t.scalar_type() != out.scalar_type()) {
-      msg << "returned a tangent of dtype " << t.scalar_type() << " for " << where
-          << ", which has dtype " << out.scalar_type()
-          << ". Cast it with .to(output.dtype).";
-    } else if (t.device() != out.device()) {
-      msg << "returned a tangent on device " << t.device() << " for " << where
-          << ", which is on " << out.device() << ". Move it with .to(output.device).";
-    } else if (t.layout() != out.layout()) {
-      msg << "returned a tangent of layout " << t.layout() << " for " << where
-          << ", which has layout " << out.layout()
-          << ". Return a tangent of the output's layout.";
-    }
-    if (!msg.str().empty()) {
-      fail(msg.str());
+    const std::string mismatch = tangent_mismatch(t, out, where);
+    if (!mismatch.empty()) {
+      fail(mismatch);
     }
     // A tangent computed from the dual inputs would itself carry a tangent.
     tangents[k] = torch::autograd::isFwGradDefined(t) ? t._fw_primal(0) : t;
@@ -349,6 +354,53 @@ std::vector<at::Tensor> output_tangents(
   return tangents;
 }
 
+namespace {
+
+// ctx.needs_input_grad as the Autograd kernel's path gives it: does the
+// input, at this level, require grad?
+py::tuple needs_input_grad(
+    const std::vector<at::Tensor>& in,
+    const std::vector<Slot>& arg_slots) {
+  py::tuple needs(arg_slots.size());
+  for (size_t a = 0; a < arg_slots.size(); ++a) {
+    bool need = false;
+    for (size_t k = arg_slots[a].first; k < arg_slots[a].first + arg_slots[a].count; ++k) {
+      need = need || (in[k].defined() && in[k].requires_grad());
+    }
+    needs[a] = py::bool_(need);
+  }
+  return needs;
+}
+
+// The registered jvp on batched primals, outputs and tangents; returns the
+// output tangents, checked. Requires the GIL.
+std::vector<at::Tensor> call_jvp_batched(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const std::vector<at::Tensor>& in,
+    const std::vector<at::Tensor>& primals,
+    const std::vector<at::Tensor>& outs,
+    const std::vector<at::Tensor>& tangents,
+    const std::vector<c10::IValue>& args,
+    const std::vector<Slot>& arg_slots,
+    c10::ArrayRef<c10::IValue> returns,
+    const std::vector<Slot>& ret_slots) {
+  try {
+    const py::object opdef = state.opdef();
+    py::object result = call_method(
+        opdef, py_names().run_jvp,
+        {rebuild(primals, arg_slots, args, schema.arguments(), false),
+         rebuild(outs, ret_slots, returns, schema.returns(), false),
+         rebuild(tangents, arg_slots, args, schema.arguments(), true),
+         needs_input_grad(in, arg_slots)});
+    return check_jvp_result(state, opdef, result, ret_slots, outs);
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+}
+
+} // namespace
+
 void set_jvp_tangents_below_vmap(
     const OpState& state,
     const c10::FunctionSchema& schema,
@@ -364,7 +416,7 @@ void set_jvp_tangents_below_vmap(
   // a plain tensor (a dual tensor of forward-mode AD).
   auto at_this_level = [&](const at::Tensor& t) {
     return t.defined() &&
-        (level == kBaseLevel ? at::functorch::maybeGetTensorWrapper(t) == nullptr
+        (level == kBaseLevel ? functorch::maybeGetTensorWrapper(t) == nullptr
                              : functorch::is_wrapped_at(t, level));
   };
   std::vector<at::Tensor> primals(in.size());
@@ -384,67 +436,18 @@ void set_jvp_tangents_below_vmap(
   std::vector<at::Tensor> outs = out;
   std::vector<at::Tensor> out_tangents;
   {
-  functorch::LowerToLevel lowered(level);
-  functorch::ReenteredVmapLevels levels;
-  for (size_t j = frames_inner_first.size(); j-- > 0;) {
-    const VmapFrame& f = frames_inner_first[j];
-    const int64_t lvl = levels.push(f.batch_size, f.randomness);
-    for (size_t k = 0; k < in.size(); ++k) {
-      if (primals[k].defined()) {
-        primals[k] = at::functorch::makeBatched(primals[k], f.in_bdims[k], lvl);
-      }
-      if (tangents[k].defined()) {
-        tangents[k] = at::functorch::makeBatched(tangents[k], f.in_bdims[k], lvl);
-      }
+    functorch::LowerToLevel lowered(level);
+    const std::vector<VmapFrame> frames(frames_inner_first.rbegin(), frames_inner_first.rend());
+    ReenteredFrames levels(frames); // NOTE [Re-entering the vmap levels]
+    levels.enter(primals, &VmapFrame::in_bdims);
+    levels.enter(tangents, &VmapFrame::in_bdims);
+    levels.enter(outs, &VmapFrame::out_bdims);
+    {
+      py::gil_scoped_acquire gil;
+      out_tangents = call_jvp_batched(
+          state, schema, in, primals, outs, tangents, args, arg_slots, returns, ret_slots);
     }
-    for (size_t k = 0; k < out.size(); ++k) {
-      if (outs[k].defined()) {
-        outs[k] = at::functorch::makeBatched(outs[k], f.out_bdims[k], lvl);
-      }
-    }
-  }
-
-  {
-    py::gil_scoped_acquire gil;
-    try {
-      const py::object opdef = state.opdef();
-      // ctx.needs_input_grad as the Autograd kernel's path gives it: does
-      // the input, at this level, require grad?
-      py::tuple needs(args.size());
-      for (size_t a = 0; a < args.size(); ++a) {
-        bool need = false;
-        for (size_t k = arg_slots[a].first; k < arg_slots[a].first + arg_slots[a].count; ++k) {
-          need = need || (in[k].defined() && in[k].requires_grad());
-        }
-        needs[a] = py::bool_(need);
-      }
-      py::object result = call_method(
-          opdef, py_names().run_jvp,
-          {rebuild(primals, arg_slots, args, schema.arguments(), false),
-           rebuild(outs, ret_slots, returns, schema.returns(), false),
-           rebuild(tangents, arg_slots, args, schema.arguments(), true), needs});
-      out_tangents = check_jvp_result(state, opdef, result, ret_slots, outs);
-    } catch (py::error_already_set& e) {
-      rethrow_python_error(e);
-    }
-  }
-  for (const VmapFrame& f : frames_inner_first) {
-    const int64_t lvl = levels.innermost();
-    std::vector<std::optional<int64_t>> have(out_tangents.size());
-    for (size_t k = 0; k < out_tangents.size(); ++k) {
-      if (out_tangents[k].defined()) {
-        std::tie(out_tangents[k], have[k]) =
-            at::functorch::unwrapTensorAtLevel(out_tangents[k], lvl);
-      }
-    }
-    levels.pop();
-    for (size_t k = 0; k < out_tangents.size(); ++k) {
-      if (out_tangents[k].defined()) {
-        out_tangents[k] = functorch::match_bdim(
-            out_tangents[k], have[k], f.out_bdims[k], f.batch_size);
-      }
-    }
-  }
+    levels.leave(out_tangents, &VmapFrame::out_bdims);
   }
   std::vector<at::Tensor> at_level(out.size());
   for (size_t k = 0; k < out.size(); ++k) {

@@ -3,7 +3,8 @@
 // jvp returns passes one gate (NOTE [One gate for every user tangent]).
 #pragma once
 
-#include "autobatch.h"
+#include "op_state.h"
+#include "vmap_frames.h"
 
 #include <utility>
 

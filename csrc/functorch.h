@@ -27,6 +27,17 @@ using at::functorch::DynamicLayer;
 using at::functorch::RandomnessType;
 using at::functorch::TransformType;
 
+// functorch's entry points that are used as they are. The rest of csrc/ calls
+// them through this namespace, so a release that renames or changes one gets
+// a shim here and nowhere else.
+using at::functorch::getDynamicLayerStack; // the thread's levels, outermost first
+using at::functorch::isBatchedAtLevel;
+using at::functorch::makeBatched; // (tensor, bdim, level) -> BatchedTensor
+using at::functorch::maybeCurrentDynamicLayer; // the innermost level, if any
+using at::functorch::maybeGetBatchedImpl;
+using at::functorch::maybeGetTensorWrapper;
+using at::functorch::unwrapTensorAtLevel; // BatchedTensor -> (value, bdim)
+
 // The grad mode the op would see at a Grad level (prevGradMode is the mode in
 // force outside that level).
 inline bool prev_grad_mode(const DynamicLayer& layer) {

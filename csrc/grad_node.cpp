@@ -3,6 +3,7 @@
 #include "grad_node.h"
 
 #include "functorch.h"
+#include "vmap_frames.h"
 
 #include <ATen/ExpandUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -246,62 +247,35 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
     }
   }
 
-  // NOTE [Free batching rule], backward half: re-enter the vmap levels that
-  // were above this node in the forward, outermost first, so the user's
-  // backward sees each example's shapes and runs batched.
-  functorch::ReenteredVmapLevels levels;
-  for (const auto& f : frames_) {
-    const int64_t lvl = levels.push(f.batch_size, f.randomness);
-    for (size_t i = 0; i < grads.size(); ++i) {
-      if (grads[i].defined()) {
-        grads[i] = at::functorch::makeBatched(grads[i], f.out_bdims[i], lvl);
-      }
-    }
-    for (size_t i = 0; i < saved.size(); ++i) {
-      if (saved[i].defined()) {
-        saved[i] = at::functorch::makeBatched(saved[i], f.saved_bdims[i], lvl);
-      }
-    }
-  }
-
-  variable_list out;
-  {
-    py::gil_scoped_acquire gil;
-    try {
-      TORCH_INTERNAL_ASSERT(opdef_, "the grad node of ", state_->qualname, " was never saved");
-      py::tuple py_saved(saved.size());
-      for (size_t i = 0; i < saved.size(); ++i) {
-        py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
-      }
-      SavedTensorsScope scope(ctx_.get(), py_saved);
-      py::object result =
-          call_method(opdef_.get(), py_names().run_backward, {ctx_.get(), wrap_grads(grads)});
-      out = unwrap_input_grads(result);
-    } catch (py::error_already_set& e) {
-      rethrow_python_error(e);
-    }
-  }
+  // NOTE [Free batching rule], backward half: the user's backward sees each
+  // example's shapes and runs batched (NOTE [Re-entering the vmap levels]).
+  ReenteredFrames levels(frames_);
+  levels.enter(grads, &VmapFrame::out_bdims);
+  levels.enter(saved, &VmapFrame::saved_bdims);
+  variable_list out = call_backward(saved, grads);
   saved.clear();
   grads.clear();
-
-  // Back to this node's level, innermost vmap level first.
-  for (size_t k = frames_.size(); k-- > 0;) {
-    const VmapFrame& f = frames_[k];
-    std::vector<std::optional<int64_t>> have(out.size());
-    for (size_t i = 0; i < out.size(); ++i) {
-      if (out[i].defined()) {
-        std::tie(out[i], have[i]) =
-            at::functorch::unwrapTensorAtLevel(out[i], levels.innermost());
-      }
-    }
-    levels.pop();
-    for (size_t i = 0; i < out.size(); ++i) {
-      if (out[i].defined()) {
-        out[i] = functorch::match_bdim(out[i], have[i], f.in_bdims[i], f.batch_size);
-      }
-    }
-  }
+  levels.leave(out, &VmapFrame::in_bdims);
   return out;
+}
+
+variable_list CustomOpNode::call_backward(
+    const std::vector<at::Tensor>& saved,
+    const variable_list& grads) const {
+  py::gil_scoped_acquire gil;
+  try {
+    TORCH_INTERNAL_ASSERT(opdef_, "the grad node of ", state_->qualname, " was never saved");
+    py::tuple py_saved(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
+    }
+    SavedTensorsScope scope(ctx_.get(), py_saved);
+    py::object result =
+        call_method(opdef_.get(), py_names().run_backward, {ctx_.get(), wrap_grads(grads)});
+    return unwrap_input_grads(result);
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
 }
 
 py::tuple CustomOpNode::wrap_grads(const variable_list& grads) const {

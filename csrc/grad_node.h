@@ -1,7 +1,8 @@
 // The grad node of a torch_autobatch operator (grad_node.cpp).
 #pragma once
 
-#include "autobatch.h"
+#include "op_state.h"
+#include "vmap_frames.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -53,6 +54,10 @@ class CustomOpNode final : public torch::autograd::Node {
   void release_variables() override;
 
  private:
+  // The user's backward (CustomOpDef._run_backward) on `saved` and `grads`.
+  torch::autograd::variable_list call_backward(
+      const std::vector<at::Tensor>& saved,
+      const torch::autograd::variable_list& grads) const;
   py::tuple wrap_grads(const torch::autograd::variable_list& grads) const;
   torch::autograd::variable_list unwrap_input_grads(py::handle result) const;
   at::Tensor check_input_grad(py::handle grad, size_t edge, size_t arg) const;

@@ -20,7 +20,7 @@
 //   deregistering is impossible, so the first call that reaches one of our
 //   kernels afterwards deregisters them and redispatches the call to what the
 //   dispatcher has without them.
-#include "autobatch.h"
+#include "op_state.h"
 
 #include <algorithm>
 #include <unordered_map>

@@ -35,8 +35,6 @@ from torch._library.infer_schema import infer_schema
 from . import _C, _compile
 from ._autograd import BackwardContext, run_jvp
 
-# Batched-kernel modes (csrc/autobatch.h VmapMode).
-_VMAP_RULE, _VMAP_LOOP = 1, 2
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]
@@ -218,9 +216,9 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         # (torch's OPDEFS holds ops weakly): the op lives while its Library does.
         self._lib._registration_handles.append(_library_utils.RegistrationHandle(self._destroy_kernels))
         if vmap == "loop":
-            self._ab.registration.set_vmap_mode(_VMAP_LOOP)
+            self._ab.registration.set_vmap_mode(_C.VmapMode.loop)
         elif self._vmap_fn is not None:
-            self._ab.registration.set_vmap_mode(_VMAP_RULE)
+            self._ab.registration.set_vmap_mode(_C.VmapMode.rule)
         _compile.register(self, fuse=compile == "fuse")  # NOTE [Inductor sees the function]
         self.__name__ = self._name
         self.__qualname__ = self._name
@@ -486,7 +484,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}."
             )
         self._vmap_fn = rule
-        self._ab.registration.set_vmap_mode(_VMAP_RULE)
+        self._ab.registration.set_vmap_mode(_C.VmapMode.rule)
         _compile.refresh_cache_key(self)
         return rule
 

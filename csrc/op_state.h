@@ -22,7 +22,8 @@
 
 namespace torch_autobatch {
 
-// How the batched kernel computes an op's outputs under vmap.
+// How the batched kernel computes an op's outputs under vmap (Python sees
+// it as _C.VmapMode, bound in bindings.cpp).
 enum class VmapMode : int {
   Composite = 0, // the op's own function, once, on batched tensors (default)
   Rule = 1, // the user's register_vmap rule
@@ -160,14 +161,6 @@ py::tuple slots_to_py(
 
 // Does a Tensor (or any tensor of a Tensor[]) argument require grad?
 bool any_requires_grad(const c10::IValue& v);
-
-// One vmap level that a grad node re-enters in backward: where the batch
-// dimension sits in each input, output and saved tensor of the node's level.
-struct VmapFrame {
-  c10::SymInt batch_size;
-  int64_t randomness = 0; // at::functorch::RandomnessType
-  std::vector<std::optional<int64_t>> in_bdims, out_bdims, saved_bdims;
-};
 
 // Calls the op's Python `_setup_autograd(inputs, output, needs_input_grad)`
 // and returns the ctx; `saved` receives what it passed to save_for_backward,

@@ -30,7 +30,7 @@
 // (Library.impl(..., allow_override=True), which torch warns about); such an
 // op is not a CustomOpDef any more in torch's own sense either (its
 // _backend_fns no longer run).
-#include "autobatch.h"
+#include "op_state.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>

@@ -1,6 +1,6 @@
 // The op's tensors as both kernels see them: flattened from the dispatcher's
 // stack, and checked for aliasing the schema does not declare.
-#include "autobatch.h"
+#include "op_state.h"
 #include "functorch.h"
 
 #include <torch/csrc/autograd/python_variable.h>

@@ -1,7 +1,7 @@
-// torch_autobatch._C: registers our C++ kernels for an operator that
-// torch_autobatch.custom_op has defined. Python stays the thin, typed layer;
+// The Python bindings of torch_autobatch._C: registers our C++ kernels for an
+// operator that torch_autobatch.custom_op has defined. Python stays the thin, typed layer;
 // this module holds no Python-visible state but the registrations.
-#include "autobatch.h"
+#include "op_state.h"
 #include "grad_node.h"
 #include "tracer.h"
 
@@ -32,16 +32,18 @@ PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   m.doc() = "C++ kernels of torch_autobatch (internal; use torch_autobatch.custom_op)";
   tab::init_composite_call();
+  // The one definition of the batched kernel's modes (op_state.h) Python sees.
+  py::enum_<tab::VmapMode>(m, "VmapMode")
+      .value("composite", tab::VmapMode::Composite)
+      .value("rule", tab::VmapMode::Rule)
+      .value("loop", tab::VmapMode::Loop);
   py::class_<tab::Registration>(m, "_Registration")
       .def_property_readonly(
           "qualname", [](const tab::Registration& r) { return r.state->qualname; })
       .def(
           "set_vmap_mode",
-          [](tab::Registration& r, int mode) {
-            TORCH_CHECK(mode >= 0 && mode <= 2, "bad vmap mode ", mode);
-            r.state->vmap_mode.store(static_cast<tab::VmapMode>(mode));
-          },
-          "0: composite (default), 1: the register_vmap rule, 2: per-example loop")
+          [](tab::Registration& r, tab::VmapMode mode) { r.state->vmap_mode.store(mode); },
+          "How the batched kernel computes the op under vmap (VmapMode).")
       .def(
           "set_has_jvp",
           [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },

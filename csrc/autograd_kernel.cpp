@@ -11,10 +11,11 @@
 // recorded, and (2) attaches a plain autograd Node, is what every functorch
 // Grad level expects: functorch re-enables the Autograd keys per level and our
 // kernel runs once per level, on that level's TensorWrappers.
-#include "autobatch.h"
+#include "op_state.h"
 #include "forward_mode.h"
 #include "functorch.h"
 #include "grad_node.h"
+#include "vmap_frames.h"
 
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -67,46 +68,7 @@ class AutogradKernel final : public c10::OperatorKernel {
       }
     }
 
-    bool called_directly = false;
-    {
-      // The user's forward runs once, below autograd: never recorded. A
-      // mutating op goes through ADInplaceOrView, whose kernel (torch's,
-      // registered by CustomOpDef) bumps the mutated inputs' versions, so a
-      // tensor saved for backward and mutated here is caught as autograd
-      // does (NOTE [Mutating ops]).
-      const bool mutates = schema.is_mutable();
-      std::optional<at::AutoDispatchBelowAutograd> below_autograd;
-      std::optional<at::AutoDispatchBelowADInplaceOrView> below_ad_inplace;
-      if (mutates) {
-        below_autograd.emplace();
-      } else {
-        below_ad_inplace.emplace();
-      }
-      // NOTE [The kernel sees grad mode off when a node is made]
-      // As in torch.library (the kernel runs in autograd.Function.forward),
-      // the backend kernel runs with grad mode off when this call makes a
-      // node for tensors that really require grad, so `.numpy()` and
-      // `torch.is_grad_enabled()` in it behave alike. Only at the base: at a
-      // functorch Grad level, grad mode must stay on for the levels below
-      // (they read it to decide whether to attach their own node), and the
-      // kernel sees unwrapped tensors that need no grad anyway.
-      const auto layer = at::functorch::maybeCurrentDynamicLayer();
-      std::optional<c10::AutoGradMode> no_grad;
-      if (needs_node && !layer.has_value()) {
-        no_grad.emplace(false);
-      }
-      const bool ad_level = layer.has_value() &&
-          (layer->key() == functorch::TransformType::Grad ||
-           layer->key() == functorch::TransformType::Jvp);
-      SentDownFromAD sent_down(ad_level ? layer->layerId() : 0);
-      if (mutates) {
-        op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
-      } else {
-        called_directly =
-            run_backend(*state_, op, ks & c10::after_ADInplaceOrView_keyset, stack);
-      }
-    }
-
+    const bool called_directly = run_below_autograd(op, ks, stack, needs_node);
     if (state_->returns_an_argument) {
       return_the_arguments(*state_, saved_args, stack); // NOTE [Returned mutated arguments]
     }
@@ -117,7 +79,6 @@ class AutogradKernel final : public c10::OperatorKernel {
     if (!needs_node && !any_tangent) {
       return;
     }
-
     c10::intrusive_ptr<CustomOpNode> node;
     if (needs_node) {
       node = c10::make_intrusive<CustomOpNode>(
@@ -129,38 +90,104 @@ class AutogradKernel final : public c10::OperatorKernel {
     py::gil_scoped_acquire gil;
     if (any_tangent) {
       // NOTE [Forward mode]. Before the node saves anything: a saved output
-      // keeps its tangent. The jvp or the function is user Python: NOTE
-      // [User Python sees a plain caller's state].
-      std::vector<at::Tensor> tangents;
-      {
-        functorch::AsPlainCaller plain;
-        tangents = output_tangents(
-            *state_, schema, saved_args, returns, ret_slots, outputs, rng_before_primal,
-            pre_mutation);
-      }
-      // Set as this level's kernel: NOTE [Derived tangents of a mutating op].
-      if (pre_mutation) {
-        pre_mutation->copy_tangents_to(saved_args);
-      }
-      set_output_tangents(*state_, ret_slots, outputs, tangents, pre_mutation.has_value());
+      // keeps its tangent.
+      set_tangents(schema, saved_args, returns, ret_slots, outputs, rng_before_primal, pre_mutation);
     }
-    // setup_context is user Python too.
-    functorch::AsPlainCaller plain;
     if (node) {
-      std::vector<bool> needs_input_grad(num_args, false);
-      for (size_t a = 0; a < num_args; ++a) {
-        needs_input_grad[a] = any_requires_grad(saved_args[a]);
-      }
-      std::vector<at::Tensor> saved;
-      std::vector<bool> non_differentiable;
-      py::object ctx = call_setup_context(
-          *state_, schema, saved_args, returns, outputs, needs_input_grad, saved,
-          non_differentiable);
-      node->save(ctx, saved, outputs, non_differentiable);
+      save_for_backward(*node, schema, saved_args, returns, outputs);
     }
   }
 
  private:
+  // The user's forward runs once, below autograd: never recorded. A mutating
+  // op goes through ADInplaceOrView, whose kernel (torch's, registered by
+  // CustomOpDef) bumps the mutated inputs' versions, so a tensor saved for
+  // backward and mutated here is caught as autograd does (NOTE [Mutating
+  // ops]). Returns whether run_backend called the function directly.
+  bool run_below_autograd(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet ks,
+      torch::jit::Stack* stack,
+      bool needs_node) const {
+    const bool mutates = op.schema().is_mutable();
+    std::optional<at::AutoDispatchBelowAutograd> below_autograd;
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_ad_inplace;
+    if (mutates) {
+      below_autograd.emplace();
+    } else {
+      below_ad_inplace.emplace();
+    }
+    // NOTE [The kernel sees grad mode off when a node is made]
+    // As in torch.library (the kernel runs in autograd.Function.forward), the
+    // backend kernel runs with grad mode off when this call makes a node for
+    // tensors that really require grad, so `.numpy()` and
+    // `torch.is_grad_enabled()` in it behave alike. Only at the base: at a
+    // functorch Grad level, grad mode must stay on for the levels below (they
+    // read it to decide whether to attach their own node), and the kernel
+    // sees unwrapped tensors that need no grad anyway.
+    const auto layer = functorch::maybeCurrentDynamicLayer();
+    std::optional<c10::AutoGradMode> no_grad;
+    if (needs_node && !layer.has_value()) {
+      no_grad.emplace(false);
+    }
+    const bool ad_level = layer.has_value() &&
+        (layer->key() == functorch::TransformType::Grad ||
+         layer->key() == functorch::TransformType::Jvp);
+    SentDownFromAD sent_down(ad_level ? layer->layerId() : 0);
+    if (mutates) {
+      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+      return false;
+    }
+    return run_backend(*state_, op, ks & c10::after_ADInplaceOrView_keyset, stack);
+  }
+
+  // The output tangents, from the registered jvp or the function's own
+  // forward-mode AD (NOTE [Forward mode]). Requires the GIL.
+  void set_tangents(
+      const c10::FunctionSchema& schema,
+      const std::vector<c10::IValue>& saved_args,
+      c10::ArrayRef<c10::IValue> returns,
+      const std::vector<Slot>& ret_slots,
+      const std::vector<at::Tensor>& outputs,
+      const std::optional<RngStates>& rng_before_primal,
+      const std::optional<PreMutationArgs>& pre_mutation) const {
+    std::vector<at::Tensor> tangents;
+    {
+      // The jvp or the function is user Python: NOTE [User Python sees a
+      // plain caller's state].
+      functorch::AsPlainCaller plain;
+      tangents = output_tangents(
+          *state_, schema, saved_args, returns, ret_slots, outputs, rng_before_primal,
+          pre_mutation);
+    }
+    // Set as this level's kernel: NOTE [Derived tangents of a mutating op].
+    if (pre_mutation) {
+      pre_mutation->copy_tangents_to(saved_args);
+    }
+    set_output_tangents(*state_, ret_slots, outputs, tangents, pre_mutation.has_value());
+  }
+
+  // The user's setup_context (user Python too), and what it saves. Requires
+  // the GIL.
+  void save_for_backward(
+      CustomOpNode& node,
+      const c10::FunctionSchema& schema,
+      const std::vector<c10::IValue>& saved_args,
+      c10::ArrayRef<c10::IValue> returns,
+      const std::vector<at::Tensor>& outputs) const {
+    functorch::AsPlainCaller plain;
+    std::vector<bool> needs_input_grad(saved_args.size(), false);
+    for (size_t a = 0; a < saved_args.size(); ++a) {
+      needs_input_grad[a] = any_requires_grad(saved_args[a]);
+    }
+    std::vector<at::Tensor> saved;
+    std::vector<bool> non_differentiable;
+    py::object ctx = call_setup_context(
+        *state_, schema, saved_args, returns, outputs, needs_input_grad, saved,
+        non_differentiable);
+    node.save(ctx, saved, outputs, non_differentiable);
+  }
+
   // NOTE [Mutating ops]
   // An op may mutate inputs (mutates_args): its backward differentiates the
   // others. A mutated input that requires grad would need its history

@@ -1,0 +1,315 @@
+// The FuncTorchBatched-key kernel of every torch_autobatch operator: vmap of
+// the op with no batching rule written by the user.
+//
+// NOTE [Free batching rule]
+// Forward: when an input is batched at the current vmap level, we run the op's
+// own function ONCE on the BatchedTensors, dispatching straight to its backend
+// kernel, so each aten op inside hits its own batching rule (no per-example
+// loop). It runs with GradMode off: below the vmap level functorch's Grad
+// interpreters re-enable the Autograd keys, and excluding keys would not stop
+// the decomposition from being recorded there.
+// Then, without running anything again, the outputs get the op's own grad
+// node at every autograd level below (NOTE [The level walk], level_walk.cpp).
+// Backward (CustomOpNode::apply): the node re-enters the vmap levels, so the
+// user's backward runs batched too (NOTE [Re-entering the vmap levels]).
+// Where the composite cannot or must not run once, the op runs once per
+// example instead (vmap_loop.cpp).
+#include "op_state.h"
+#include "forward_mode.h"
+#include "functorch.h"
+#include "grad_node.h"
+#include "level_walk.h"
+#include "vmap_loop.h"
+
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+namespace torch_autobatch {
+namespace {
+
+using functorch::DynamicLayer;
+using functorch::RandomnessType;
+using functorch::TransformType;
+
+// NOTE [Key sets of the batched kernel]
+// Both are computed from the dispatch-key order (NOTE in DESIGN.md section 3),
+// never listed by hand:
+// - kBelowBatched: redispatch when nothing is batched at this level. The keys
+//   between FuncTorchBatched and FuncTorchDynamicLayerBackMode are excluded by
+//   the vmap interpreter anyway; BackMode hands the op to the next level.
+// - kBackendKeys: where the op's own function is registered. The composite
+//   skips BackMode (the op must run at THIS level, on BatchedTensors) and the
+//   Python key (a mode would see BatchedTensors; it sees the aten ops of the
+//   composite instead, one level down, as for any batched aten op).
+const c10::DispatchKeySet kBelowBatched(
+    c10::DispatchKeySet::FULL_AFTER,
+    c10::DispatchKey::FuncTorchBatched);
+const c10::DispatchKeySet kBackendKeys(
+    c10::DispatchKeySet::FULL_AFTER,
+    c10::DispatchKey::BackendSelect);
+
+bool looks_like_batching_failure(const std::string& msg) {
+  for (const char* clear : {"randomness", "inplace arithmetic"}) {
+    if (msg.find(clear) != std::string::npos) {
+      // functorch's own message is clear and our ways out would not help:
+      // vmap(..., randomness="error"), or a mutation of an unbatched tensor
+      // with a batched value (vmap="loop" would mutate it once per example).
+      return false;
+    }
+  }
+  for (const char* needle :
+       {"vmap", "Batching rule", "BatchedTensor", "data pointer", "storage",
+        "does not require grad", "functorch"}) {
+    if (msg.find(needle) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+class BatchedKernel final : public c10::OperatorKernel {
+ public:
+  explicit BatchedKernel(std::shared_ptr<OpState> state)
+      : state_(std::move(state)) {}
+
+  void operator()(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet ks,
+      torch::jit::Stack* stack) {
+    if (!state_->defined.load(std::memory_order_relaxed)) {
+      redispatch_without_us(*state_, this, op, ks, stack);
+      return;
+    }
+    const auto layer = functorch::maybeCurrentDynamicLayer();
+    // A BatchedTensor reaches FuncTorchBatched outside the vmap that made it
+    // when it escaped (a closure, a tensor constant of make_fx(vmap(f),
+    // pre_dispatch=True)): functorch's error for aten ops, naming the op.
+    TORCH_CHECK(
+        layer.has_value() && layer->key() == TransformType::Vmap,
+        "torch_autobatch: ", state_->qualname,
+        " received a BatchedTensor outside the vmap that created it. Either "
+        "your tensor may have escaped from inside a function being vmapped and "
+        "this is a user error (see "
+        "https://pytorch.org/functorch/stable/ux_limitations.html), or a tracer "
+        "recorded a batched tensor as a constant.");
+    const int64_t level = layer->layerId();
+    const auto& schema = op.schema();
+    const size_t num_args = schema.arguments().size();
+    const size_t num_returns = schema.returns().size();
+    const auto args = torch::jit::last(*stack, num_args);
+
+    std::vector<at::Tensor> inputs;
+    auto arg_slots = flatten_tensors(args, inputs);
+    const at::Tensor* batched = nullptr;
+    for (const auto& t : inputs) {
+      if (t.defined() && functorch::isBatchedAtLevel(t, level)) {
+        batched = &t;
+        break;
+      }
+    }
+    if (batched == nullptr) {
+      op.redispatchBoxed(ks & kBelowBatched, stack);
+      return;
+    }
+    // Sent down by an AD level above this one (NOTE [Decompositions under an
+    // AD level]); user code run from here must not see that mark.
+    const bool under_ad = SentDownFromAD::level() > level;
+    SentDownFromAD not_sent_down(0);
+    const auto mode = state_->vmap_mode.load();
+    if (mode == VmapMode::Loop || trace_keeps_op(*state_, schema, *layer)) {
+      run_loop(*state_, op, *layer, stack);
+      return;
+    }
+
+    const bool grad_mode = c10::GradMode::is_enabled();
+    std::vector<c10::IValue> saved_args(args.begin(), args.end());
+    {
+      c10::AutoGradMode no_grad(false);
+      // NOTE [Forward mode under vmap]: with a registered jvp, tangents at the
+      // Jvp levels below come from it (attach_grad_nodes), not from the
+      // composite; without one, the composite's own forward-mode AD gives them
+      // here, in the same single run.
+      c10::AutoFwGradMode no_fw_grad(
+          c10::AutogradState::get_tls_state().get_fw_grad_mode() &&
+          !state_->has_jvp.load());
+      if (mode == VmapMode::Rule) {
+        run_rule(op, stack);
+      } else {
+        run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args);
+      }
+    }
+    if (state_->returns_an_argument) {
+      return_the_arguments(*state_, saved_args, stack); // NOTE [Returned mutated arguments]
+    }
+    std::vector<at::Tensor> outputs;
+    auto ret_slots = flatten_tensors(torch::jit::last(*stack, num_returns), outputs);
+    check_no_aliasing(*state_, schema, inputs, outputs, ret_slots);
+    attach_grad_nodes(
+        state_, schema, grad_mode, std::move(arg_slots), std::move(ret_slots), saved_args,
+        torch::jit::last(*stack, num_returns), inputs, outputs);
+  }
+
+ private:
+  // NOTE [Decompositions under an AD level]
+  // A CompositeImplicitAutograd op with no batching rule (column_stack of a
+  // TensorList, narrow with a tensor start) fails under vmap alone, for a
+  // plain function too: it decomposes only at the Autograd keys, and
+  // FuncTorchBatched outranks them. Under vmap(grad(f)) or vmap(jvp(f)) a
+  // plain function gets past it because the AD level's Autograd key
+  // decomposes the op before the vmap level sees it; our Autograd kernel sends
+  // the whole op below that level (marking it: SentDownFromAD), so that chance
+  // is gone. When the mark is above this vmap level and the composite fails
+  // for a missing batching rule, the composite runs again under a temporary
+  // Grad level of our own (grad mode off: it records nothing, and its
+  // prevGradMode keeps the levels below from recording), where such ops
+  // decompose as they would at the AD level; the vmap level batches the
+  // pieces. The op remembers it needs this (decompose_under_ad), so later
+  // calls under an AD level go straight there, and calls under vmap alone fail
+  // as the plain function does. Only failing ops pay for the extra level.
+  // The first call runs the composite up to the failing op twice, so random
+  // ops before it draw twice.
+  void run_composite(
+      const c10::OperatorHandle& op,
+      const at::Tensor& physical,
+      torch::jit::Stack* stack,
+      bool under_ad,
+      const std::vector<c10::IValue>& args) const {
+    const bool decompose = under_ad && state_->decompose_under_ad.load();
+    const size_t base = stack->size() - args.size();
+    // A mutating function is never run twice: its mutations before the
+    // failing op would happen twice (it then fails as a plain function does).
+    const bool may_retry = under_ad && !decompose && !op.schema().is_mutable();
+    try {
+      run_composite_once(op, physical, stack, decompose, may_retry);
+    } catch (const MissingBatchingRule&) {
+      state_->decompose_under_ad.store(true);
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+      stack->insert(stack->end(), args.begin(), args.end());
+      run_composite_once(op, physical, stack, /*decompose=*/true, /*may_retry=*/false);
+    }
+  }
+
+  // Thrown by run_composite_once when a decomposing rerun may succeed.
+  struct MissingBatchingRule {};
+
+  void run_composite_once(
+      const c10::OperatorHandle& op,
+      const at::Tensor& physical,
+      torch::jit::Stack* stack,
+      bool decompose,
+      bool may_retry) const {
+    try {
+      // Each op inside enters through the front key, as in a plain function:
+      // NOTE [User Python sees a plain caller's state].
+      functorch::AsPlainCaller plain;
+      if (!decompose) {
+        run_backend(*state_, op, physical.key_set() & kBackendKeys, stack);
+        return;
+      }
+      functorch::GradLevelGuard grad_level(/*prev_grad_mode=*/false);
+      op.redispatchBoxed(physical.key_set() & kBackendKeys, stack);
+      for (auto it = stack->end() - static_cast<std::ptrdiff_t>(op.schema().returns().size());
+           it != stack->end(); ++it) {
+        *it = unwrap_returned(*it, grad_level.level());
+      }
+    } catch (py::error_already_set& e) {
+      // A Python kernel's exception arrives as pybind11's; make it torch's.
+      try {
+        rethrow_python_error(e);
+      } catch (python_error& err) {
+        handle_composite_error(err, may_retry);
+      }
+    } catch (python_error& e) {
+      handle_composite_error(e, may_retry);
+    } catch (const c10::Error& e) {
+      if (!looks_like_batching_failure(e.what_without_backtrace())) {
+        throw;
+      }
+      fail_unbatchable(e.what_without_backtrace(), may_retry);
+    }
+  }
+
+  static c10::IValue unwrap_returned(const c10::IValue& v, int64_t level) {
+    return map_tensors(v, [&](const at::Tensor& t, size_t) {
+      return t.defined() ? functorch::unwrap_grad_level(t, level) : t;
+    });
+  }
+
+  // Turns functorch's "cannot batch this" into our error naming the op and
+  // the ways out; any other exception goes on unchanged. torch's and
+  // functorch's errors reach Python as exactly RuntimeError (or
+  // NotImplementedError); a user's own exception class, even one derived
+  // from them, is the user's: its type and message stay as raised.
+  [[noreturn]] void handle_composite_error(python_error& e, bool may_retry) const {
+    e.persist();
+    const bool is_torch_error =
+        e.type == PyExc_RuntimeError || e.type == PyExc_NotImplementedError;
+    if (!is_torch_error || !looks_like_batching_failure(e.what())) {
+      throw std::move(e);
+    }
+    fail_unbatchable(e.what(), may_retry);
+  }
+
+  // functorch's message comes first, unchanged, as for a plain function.
+  [[noreturn]] void fail_unbatchable(const std::string& cause, bool may_retry) const {
+    if (may_retry && cause.find("Batching rule not implemented for") != std::string::npos) {
+      throw MissingBatchingRule{};
+    }
+    const auto& name = state_->qualname.substr(state_->qualname.find("::") + 2);
+    TORCH_CHECK(
+        false,
+        cause,
+        "\ntorch_autobatch: vmap of ",
+        state_->qualname,
+        " runs its function once on batched tensors, and that failed (above). "
+        "A function vmap can batch uses torch ops only: no .item(), "
+        ".tolist(), .numpy(), no Python control flow on tensor values, and no "
+        "autograd calls of its own (it runs with grad mode off). "
+        "Two ways out: register a batching rule with ",
+        name,
+        ".register_vmap(rule), or define the op with "
+        "torch_autobatch.custom_op(..., vmap=\"loop\") to run it once per "
+        "example (slower, correct for values and gradients).");
+  }
+
+  // The user's register_vmap rule, through torch's helper for such rules.
+  void run_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) const;
+
+  std::shared_ptr<OpState> state_;
+};
+
+void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) const {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t num_returns = schema.returns().size();
+  py::gil_scoped_acquire gil;
+  try {
+    // torch's helper for register_vmap rules unwraps the arguments at this
+    // level, calls the rule one level down, checks what it returns and wraps
+    // the outputs by their out_dims (a pytree matching the output). The rule
+    // is user Python: a torch.func call in it needs the caller's state (NOTE
+    // [User Python sees a plain caller's state]).
+    functorch::AsPlainCaller plain;
+    // NOTE [The function gets its arguments as torch passes them]
+    const auto [py_args, py_kwargs] =
+        to_py_call(torch::jit::last(*stack, num_args), schema.arguments());
+    py::tuple outs =
+        call_method(state_->opdef(), py_names().run_vmap_rule, {py_args, py_kwargs});
+    torch::jit::drop(*stack, num_args);
+    for (size_t r = 0; r < num_returns; ++r) {
+      torch::jit::push(*stack, torch::jit::toIValue(outs[r], schema.returns()[r].type()));
+    }
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
+}
+
+} // namespace
+
+torch::CppFunction batched_kernel(const std::shared_ptr<OpState>& state) {
+  return torch::CppFunction::makeFromBoxedFunctor(std::make_unique<BatchedKernel>(state));
+}
+
+} // namespace torch_autobatch
