@@ -5,8 +5,9 @@ one test: its own docstring's examples, run by :mod:`doctest` with ``torch``
 and ``torch_autobatch`` as globals. Examples define ops in a namespace of their
 own (``doc_<object>::...``), so they all run in one process.
 
-The README's Python example runs too, and every relative link (and ``#anchor``)
-in README.md and docs/ names a file (and heading) that exists.
+The README's Python example runs too, every relative link (and ``#anchor``)
+in README.md and docs/ names a file (and heading) that exists, and so does every
+source path they quote (``csrc/batched.cpp``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def test_docstring_examples(name: str, obj: Any, capsys: pytest.CaptureFixture[s
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^()\s]+)\)")  # [text](target) and ![alt](target)
+SOURCE = re.compile(r"`((?:csrc|torch_autobatch|test|benchmarks|examples|tools|docs|\.ci)/[\w./-]*\w)`")
 
 
 def _anchors(page: Path) -> set[str]:
@@ -130,3 +132,9 @@ def test_doc_links_resolve() -> None:
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_doc_source_paths_exist() -> None:
+    missing = [f"{page.relative_to(ROOT)}: {path}" for page in PAGES
+               for path in SOURCE.findall(page.read_text()) if not (ROOT / path).exists()]
+    assert not missing, "\n".join(missing)
