@@ -16,7 +16,7 @@ each with its cost over the plain function):
    call, the Autograd fallback);
 4. a ``torch_autobatch.custom_op``: 3, plus our Autograd kernel, which calls the
    function itself in place of torch's backend wrapper (NOTE [Calling the
-   composite directly] in csrc/composite.cpp);
+   composite directly] in csrc/run_backend.cpp);
 5. a ``torch.library.custom_op`` (torch's Python Autograd kernel), for reference.
 
 Then the same for a call with an input that requires grad (forward only: the op

@@ -34,7 +34,7 @@ using functorch::RandomnessType;
 using functorch::TransformType;
 
 // NOTE [Key sets of the batched kernel]
-// Both are computed from the dispatch-key order (NOTE in DESIGN.md section 3),
+// Both are computed from the dispatch-key order (docs/design.md, "Dispatch-key order"),
 // never listed by hand:
 // - kBelowBatched: redispatch when nothing is batched at this level. The keys
 //   between FuncTorchBatched and FuncTorchDynamicLayerBackMode are excluded by

@@ -43,14 +43,14 @@ struct OpState {
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
   // Its function needs an AD level to decompose some CompositeImplicit op:
-  // NOTE [Decompositions under an AD level] (batched.cpp).
+  // NOTE [Decompositions under an AD level] (batched_kernel.cpp).
   std::atomic<bool> decompose_under_ad{false};
   // The schema declares no aliasing and no mutation: run_backend may call the
   // op's function itself (NOTE [Calling the composite directly]).
   bool functional_schema = false;
   // Per schema return: the argument it is (`Tensor(a!) x -> Tensor(a!)`, the
   // returns of torch.Tag.inplace and torch.Tag.out ops), or -1: NOTE
-  // [Returned mutated arguments] (tensors.cpp).
+  // [Returned mutated arguments] (op_tensors.cpp).
   std::vector<int64_t> return_aliases;
   bool returns_an_argument = false;
   // The definition our kernels were registered for still exists; cleared by
@@ -215,7 +215,7 @@ void check_no_aliasing(
 // Runs the op's own function on `stack` with the dispatch keys `ks` (those
 // below the calling kernel): calls it directly when that is the kernel the
 // dispatcher would pick, else redispatches (NOTE [Calling the composite
-// directly], composite.cpp). Returns whether it called it directly: then the
+// directly], run_backend.cpp). Returns whether it called it directly: then the
 // caller's check_no_aliasing stands for torch's.
 bool run_backend(
     const OpState& state,
@@ -226,8 +226,8 @@ bool has_functional_schema(const c10::FunctionSchema& schema);
 // Looks up what run_backend needs from torch; called once, at import.
 void init_composite_call();
 
-// Our boxed kernels for one op: autograd.cpp (the Autograd key) and
-// batched.cpp (the FuncTorchBatched key).
+// Our boxed kernels for one op: autograd_kernel.cpp (the Autograd key) and
+// batched_kernel.cpp (the FuncTorchBatched key).
 torch::CppFunction autograd_kernel(const std::shared_ptr<OpState>& state);
 torch::CppFunction batched_kernel(const std::shared_ptr<OpState>& state);
 

@@ -95,7 +95,7 @@ def best_of(fn, reps: int = 3) -> float:
 
 def main() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(1)  # timings of one thread, as in the README; steady on a busy machine
+    torch.set_num_threads(1)  # timings of one thread, as in docs/benchmarks.md; steady on a busy machine
     batch, clip_norm, noise_multiplier = 64, 2.0, 1.1
     model = MLP(swish).double()
     params = {k: v.detach() for k, v in model.named_parameters()}

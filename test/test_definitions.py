@@ -206,7 +206,7 @@ def _add_sin_(x, y):
 
 class TestInplaceAndOutTags(TestCase):
     """tags=torch.Tag.inplace / torch.Tag.out: the op returns its mutated argument(s)
-    (NOTE [Returned mutated arguments] in csrc/tensors.cpp). The backward is 2x in y."""
+    (NOTE [Returned mutated arguments] in csrc/op_tensors.cpp). The backward is 2x in y."""
 
     @staticmethod
     def _inplace(lib, name, schema=None):

@@ -107,7 +107,7 @@ def _backend_frames() -> list[str]:
 
 
 class TestDirectCall(TestCase):
-    """NOTE [Calling the composite directly] (csrc/composite.cpp)."""
+    """NOTE [Calling the composite directly] (csrc/run_backend.cpp)."""
 
     def test_direct_call_skips_only_torchs_wrapper(self):
         seen = []

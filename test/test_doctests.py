@@ -4,12 +4,18 @@ Each public object (``torch_autobatch.__all__`` and the methods users call) is
 one test: its own docstring's examples, run by :mod:`doctest` with ``torch``
 and ``torch_autobatch`` as globals. Examples define ops in a namespace of their
 own (``doc_<object>::...``), so they all run in one process.
+
+The README's Python example runs too, every relative link (and ``#anchor``)
+in README.md and docs/ names a file (and heading) that exists, and so does every
+source path they quote (``csrc/batched_kernel.cpp``).
 """
 
 from __future__ import annotations
 
 import doctest
 import inspect
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +97,44 @@ def test_docstring_examples(name: str, obj: Any, capsys: pytest.CaptureFixture[s
         f"{results.failed} of {results.attempted} examples in {name}'s docstring failed:\n"
         + "".join(report)
     )
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\]\(([^()\s]+)\)")  # [text](target) and ![alt](target)
+SOURCE = re.compile(r"`((?:csrc|torch_autobatch|test|benchmarks|examples|tools|docs|\.ci)/[\w./-]*\w)`")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's ids of the page's headings: lowercased, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_readme_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "README.md has no ```python example"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})  # it asserts its own results
+
+
+def test_doc_links_resolve() -> None:
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_doc_source_paths_exist() -> None:
+    missing = [f"{page.relative_to(ROOT)}: {path}" for page in PAGES
+               for path in SOURCE.findall(page.read_text()) if not (ROOT / path).exists()]
+    assert not missing, "\n".join(missing)

@@ -3,7 +3,7 @@
 Test ops have a jvp that is deliberately 3x the true one and a backward that is
 2x. Oracles: plain functions whose forward derivative is 3x
 (``thrice``) or whose reverse derivative is 2x (``twice``), under the same
-transform. Which rule governs each level (README "Forward mode"):
+transform. Which rule governs each level (docs/design.md, "Forward mode"):
 - the op's own tangent, at any level: the registered jvp (3x);
 - the op's own gradient, at any level: the registered backward (2x);
 - an outer transform differentiates the inner rule's torch ops: grad(jvp) and

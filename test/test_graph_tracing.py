@@ -1,6 +1,6 @@
 """A graph traced through vmap(op) keeps the op and its registered rules.
 
-NOTE [A trace keeps the op] (csrc/batched.cpp): under vmap the op's function
+NOTE [A trace keeps the op] (csrc/vmap_loop.h): under vmap the op's function
 runs on the batched tensors, so a tracer that records no autograd (make_fx,
 torch.export's run_decompositions, aot_function's inference graph) would see
 only the function's aten ops, and differentiating the traced program later

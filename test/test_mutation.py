@@ -1,6 +1,6 @@
 """Mutating operators (``mutates_args``): in-place and out-buffer ops, as torch.library allows.
 
-NOTE [Mutating ops] in csrc/autograd.cpp: a mutated input gets no gradient;
+NOTE [Mutating ops] in csrc/autograd_kernel.cpp: a mutated input gets no gradient;
 the registered backward differentiates the others.
 """
 

@@ -225,7 +225,7 @@ G = torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(2), dtype=torch
 
 
 class TestDecompositionsUnderAnADLevel(TestCase):
-    """NOTE [Decompositions under an AD level] (csrc/batched.cpp)."""
+    """NOTE [Decompositions under an AD level] (csrc/batched_kernel.cpp)."""
 
     def _both(self, transform):
         return transform(stack2), transform(_stack_plain)

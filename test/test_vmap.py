@@ -27,7 +27,7 @@ def twice(y: torch.Tensor) -> torch.Tensor:
     return y.detach() + 2 * (y - y.detach())
 
 
-# f(x, y) = sin(x) * y + x.sum(-1, keepdim=True): the DESIGN.md op.
+# f(x, y) = sin(x) * y + x.sum(-1, keepdim=True): the benchmarks' op (docs/performance.md).
 @torch_autobatch.custom_op("tab_vmap::f", mutates_args=())
 def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     CALLS["f"] += 1

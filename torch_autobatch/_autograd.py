@@ -51,7 +51,7 @@ class BackwardContext(FunctionCtx):
     # What FunctionCtx's methods record, at the values meaning "not called":
     # the C++ node reads them after setup_context, and a class default makes
     # that a plain lookup rather than a failed one (an AttributeError built
-    # and dropped per call, NOTE [Interned attribute names] in csrc/autobatch.h).
+    # and dropped per call, NOTE [Interned attribute names] in csrc/op_state.h).
     to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
     saved_for_forward: Optional[tuple[Optional[torch.Tensor], ...]] = None
     non_differentiable: Optional[tuple[torch.Tensor, ...]] = None
@@ -67,7 +67,7 @@ class BackwardContext(FunctionCtx):
         self.needs_input_grad = needs_input_grad
 
     # save_for_backward is torch's: the C++ node checks what it recorded
-    # (call_setup_context in csrc/autograd.cpp), one Python frame less per call.
+    # (call_setup_context in csrc/autograd_kernel.cpp), one Python frame less per call.
 
     def save_for_forward(self, *tensors: Optional[torch.Tensor]) -> None:
         """Saves tensors (or None) for the jvp, where ``ctx.saved_tensors`` returns them.

@@ -19,7 +19,7 @@ is: the ops are listed once it is imported (a one-shot import hook if it is
 not yet), in the table ``select_decomp_table()`` returns (under Inductor's
 debug ``config.fallback_random`` the ops stay extern calls). A marker op listed there too
 tells the batched kernel that a trace is Inductor's (NOTE [A trace keeps the
-op], csrc/batched.cpp). ``compile="opaque"`` keeps an op out of the table:
+op], csrc/vmap_loop.h). ``compile="opaque"`` keeps an op out of the table:
 it stays one extern call.
 
 NOTE [The compile cache key names the function]

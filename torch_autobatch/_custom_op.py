@@ -1,7 +1,7 @@
 """``torch_autobatch.custom_op``: a Python function as a real dispatcher operator.
 
 Dispatch keys of an operator made here (see NOTE [Why our own Autograd kernel]
-in csrc/autograd.cpp):
+in csrc/autograd_kernel.cpp):
 
 - backend (``CompositeExplicitAutograd``, or the device keys of
   ``device_types`` / ``register_kernel``): the user's Python function;
@@ -9,10 +9,10 @@ in csrc/autograd.cpp):
   function itself run on fake tensors;
 - ``Autograd``: our C++ kernel, which runs the backend once below autograd,
   attaches a grad node calling the registered backward, and sets output
-  tangents in forward mode (NOTE [Forward mode] in csrc/autograd.cpp);
+  tangents in forward mode (NOTE [Forward mode] in csrc/forward_mode.cpp);
 - ``FuncTorchBatched``: our C++ kernel, which runs the function once on
   batched tensors and attaches the grad nodes at every level below
-  (NOTE [Free batching rule] in csrc/batched.cpp).
+  (NOTE [Free batching rule] in csrc/batched_kernel.cpp).
 
 The private methods at the end are the Python half of those kernels.
 """

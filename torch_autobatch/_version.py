@@ -3,8 +3,8 @@
 Read by ``setup.py`` (without importing the package) and at import time by
 ``_compat.py``. NOTE [Supported torch window]: the C++ extension uses
 functorch's private internals (``csrc/functorch.h``), which may change in any
-release, so the window is the releases CI and the compatibility table in the
-README have actually run; widen it only after running
+release, so the window is the releases CI and the compatibility table in
+docs/testing.md have actually run; widen it only after running
 ``tools/test_with_torch.sh VERSION`` on the new release.
 """
 
