@@ -64,6 +64,7 @@ setup(
     version=VERSION["__version__"],
     description="Python custom operators that work under every torch.func transform",
     packages=find_packages(include=["torch_autobatch", "torch_autobatch.*"]),
+    package_data={"torch_autobatch": ["py.typed", "_C.pyi"]},
     ext_modules=[
         CppExtension(
             "torch_autobatch._C",

@@ -75,18 +75,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_python_side_names",
       [] {
-        const auto& n = tab::py_names();
-        py::list out;
-        for (PyObject* name : {n.setup_autograd, n.run_backward, n.run_jvp,
-                               n.composite_tangents, n.run_vmap_rule, n.check_aliasing,
-                               n.dissolves_in_trace,
-                               n.backward_fn_name, n.jvp_fn_name, n.backend_fns}) {
-          out.append(py::handle(name));
+        py::dict out;
+        for (const auto& n : tab::python_side()) {
+          out[n.name] = py::make_tuple(n.nargs, n.on);
         }
         return out;
       },
-      "The CustomOpDef attributes the kernels look up (NOTE [The Python side of "
-      "the kernels]).");
+      "{name: (arguments a call passes or -1 for an attribute, 'op' or 'ctx')}: "
+      "what the kernels look up (NOTE [The Python side of the kernels]).");
   tab::bind_saved_tensors(m);
   tab::bind_tracer(m);
 }

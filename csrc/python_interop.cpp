@@ -21,22 +21,36 @@ void PyRef::reset() {
   obj_ = nullptr;
 }
 
-const PyNames& py_names() {
-  static const PyNames names{
-      PyUnicode_InternFromString("_setup_autograd"),
-      PyUnicode_InternFromString("_run_backward"),
-      PyUnicode_InternFromString("_run_jvp"),
-      PyUnicode_InternFromString("_composite_tangents"),
-      PyUnicode_InternFromString("_run_vmap_rule"),
-      PyUnicode_InternFromString("_check_aliasing"),
-      PyUnicode_InternFromString("_dissolves_in_trace"),
-      PyUnicode_InternFromString("_backward_fn_name"),
-      PyUnicode_InternFromString("_jvp_fn_name"),
-      PyUnicode_InternFromString("_backend_fns"),
-      PyUnicode_InternFromString("to_save"),
-      PyUnicode_InternFromString("non_differentiable"),
-      PyUnicode_InternFromString("materialize_grads"),
+const std::vector<PythonSideName>& python_side() {
+  // In PyNames' field order. nargs: the arguments each call passes after
+  // self; -1 for an attribute that is read, not called.
+  static const std::vector<PythonSideName> names{
+      {"_setup_autograd", 3, "op"}, // (inputs, output, needs_input_grad)
+      {"_run_backward", 2, "op"}, // (ctx, grads)
+      {"_run_jvp", 4, "op"}, // (inputs, outputs, tangents, needs_input_grad)
+      {"_composite_tangents", 2, "op"}, // (positional, kwargs)
+      {"_run_vmap_rule", 2, "op"}, // (positional, kwargs)
+      {"_check_aliasing", 3, "op"}, // (args, kwargs, result)
+      {"_dissolves_in_trace", 0, "op"},
+      {"_backward_fn_name", -1, "op"},
+      {"_jvp_fn_name", -1, "op"},
+      {"_backend_fns", -1, "op"}, // torch's CustomOpDef attribute
+      {"to_save", -1, "ctx"},
+      {"non_differentiable", -1, "ctx"},
+      {"materialize_grads", -1, "ctx"},
   };
+  return names;
+}
+
+const PyNames& py_names() {
+  static_assert(sizeof(PyNames) == 13 * sizeof(PyObject*), "python_side() lists 13 names");
+  static const PyNames names = [] {
+    const auto& side = python_side();
+    TORCH_INTERNAL_ASSERT(side.size() == 13, "python_side() and PyNames disagree");
+    auto intern = [&](size_t i) { return PyUnicode_InternFromString(side[i].name); };
+    return PyNames{intern(0), intern(1), intern(2), intern(3), intern(4), intern(5), intern(6),
+                   intern(7), intern(8), intern(9), intern(10), intern(11), intern(12)};
+  }();
   return names;
 }
 

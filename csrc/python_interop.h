@@ -12,6 +12,7 @@
 
 #include <initializer_list>
 #include <utility>
+#include <vector>
 
 namespace torch_autobatch {
 
@@ -58,11 +59,12 @@ class PyRef {
 // the ctx it returns) is listed here, interned once (under the GIL, on first
 // use) and never freed, like CPython's own identifiers: a lookup then builds
 // no str object, and a rename on the Python side has one place to follow
-// (test_contract.py checks that each exists). The ctx attributes always
+// (test_contract.py checks that each exists, with the signature the call
+// needs, on torch_autobatch/_kernel_side.py's KernelSide). The ctx attributes always
 // exist (BackwardContext's class defaults, _autograd.py): a failed lookup
 // would build and drop an AttributeError per call.
 struct PyNames {
-  // CustomOpDef methods (torch_autobatch/_custom_op.py).
+  // CustomOpDef methods (KernelSide, torch_autobatch/_kernel_side.py).
   PyObject* setup_autograd; // forward: ctx from setup_context
   PyObject* run_backward; // backward: the user's backward
   PyObject* run_jvp; // forward mode: the user's jvp
@@ -81,6 +83,15 @@ struct PyNames {
 };
 // Requires the GIL.
 const PyNames& py_names();
+// The declaration PyNames is built from: each name, the number of arguments
+// a call passes (-1: an attribute), and the object it is looked up on ("op",
+// "ctx"); _C._python_side_names() returns it for test_contract.py.
+struct PythonSideName {
+  const char* name;
+  int nargs;
+  const char* on;
+};
+const std::vector<PythonSideName>& python_side();
 // self.<name>(*args), one vectorcall (no argument tuple). Requires the GIL.
 py::object call_method(py::handle self, PyObject* name, std::initializer_list<py::handle> args);
 

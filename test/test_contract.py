@@ -273,16 +273,38 @@ class TestBroadcastGradients(TestCase):
 
 
 class TestPythonCppBoundary(TestCase):
-    def test_every_attribute_the_kernels_look_up_exists(self):
-        # NOTE [The Python side of the kernels] (csrc/python_interop.h): a
-        # rename on the Python side would otherwise break a kernel at run time.
-        from torch_autobatch import _C
+    """NOTE [The Python side of the kernels] (csrc/python_interop.h)."""
 
+    def test_kernel_side_defines_exactly_what_the_cpp_calls_with_its_arity(self):
+        # A rename or a changed signature on either side fails here, not in a
+        # kernel at run time.
+        import inspect
+
+        from torch_autobatch import _C
+        from torch_autobatch._autograd import BackwardContext
+        from torch_autobatch._kernel_side import KernelSide
+
+        side = _C._python_side_names()
         op = torch_autobatch.custom_op(f"{NS}::boundary", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor")
-        names = _C._python_side_names()
-        self.assertIn("_setup_autograd", names)
-        for name in names:
-            self.assertTrue(hasattr(op, name), name)
+        ctx = BackwardContext((True,))
+        called = {name for name, (nargs, on) in side.items() if on == "op" and nargs >= 0}
+        defined = {
+            name for name, value in vars(KernelSide).items()
+            if name.startswith("_") and not name.startswith("__") and callable(value)
+        }
+        helpers = {"_split_args", "_call_setup_context", "_reject_dirty", "_reraise_assigned_saved_tensors"}
+        self.assertEqual(defined - helpers, called)
+        for name, (nargs, on) in side.items():
+            target = op if on == "op" else ctx
+            self.assertTrue(hasattr(target, name), f"{on}.{name}")
+            if nargs < 0:
+                self.assertFalse(callable(getattr(target, name)) and name in vars(KernelSide), name)
+                continue
+            params = list(inspect.signature(getattr(KernelSide, name)).parameters.values())[1:]
+            self.assertEqual(len(params), nargs, f"{name}{inspect.signature(getattr(KernelSide, name))}")
+            self.assertTrue(all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params), name)
+        self.assertIs(_C.VmapMode.loop, _C.VmapMode.loop)
+        self.assertEqual(sorted(m.name for m in _C.VmapMode.__members__.values()), ["composite", "loop", "rule"])
 
 
 class TestTorchLibrarySurface(TestCase):

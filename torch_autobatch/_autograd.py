@@ -51,7 +51,7 @@ class BackwardContext(FunctionCtx):
     # What FunctionCtx's methods record, at the values meaning "not called":
     # the C++ node reads them after setup_context, and a class default makes
     # that a plain lookup rather than a failed one (an AttributeError built
-    # and dropped per call, NOTE [Interned attribute names] in csrc/op_state.h).
+    # and dropped per call, NOTE [The Python side of the kernels] in csrc/python_interop.h).
     to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
     saved_for_forward: Optional[tuple[Optional[torch.Tensor], ...]] = None
     non_differentiable: Optional[tuple[torch.Tensor, ...]] = None
@@ -74,14 +74,14 @@ class BackwardContext(FunctionCtx):
 
         Without it, the jvp sees what :meth:`save_for_backward` saved.
         """
-        _check_saveable("save_for_forward", tensors)
+        check_saveable("save_for_forward", tensors)
         super().save_for_forward(*tensors)
 
     def __repr__(self) -> str:
         return f"BackwardContext(needs_input_grad={self.needs_input_grad})"
 
 
-def _check_saveable(method: str, tensors: tuple[Any, ...]) -> None:
+def check_saveable(method: str, tensors: tuple[Any, ...]) -> None:
     for i, t in enumerate(tensors):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -89,15 +89,3 @@ def _check_saveable(method: str, tensors: tuple[Any, ...]) -> None:
                 f"it saves tensors or None only. Store other values as "
                 f"attributes instead (ctx.name = value)."
             )
-
-
-def run_jvp(
-    jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...]
-) -> Any:
-    """Calls the user's jvp with what setup_context saved for it."""
-    saved = ctx.saved_for_forward
-    if saved is None:
-        saved = ctx.to_save
-        _check_saveable("save_for_backward", saved or ())
-    ctx.to_save = ctx.saved_for_forward = None
-    return _C._call_with_saved_tensors(jvp_fn, ctx, saved if saved is not None else (), *tangents)

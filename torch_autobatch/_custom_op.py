@@ -25,15 +25,13 @@ import sys
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, overload
 
 import torch
-from torch._functorch.autograd_function import custom_function_call_vmap_helper
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import custom_ops as _torch_custom_ops
 from torch._library import simple_registry
 from torch._library import utils as _library_utils
-from torch._library.infer_schema import infer_schema
 
 from . import _C, _compile
-from ._autograd import BackwardContext, run_jvp
+from ._kernel_side import KernelSide, OpExtras
+from ._schema import schema_of
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -66,10 +64,6 @@ def _undo_registration(qualname: str, op: Any) -> None:
         del _torch_custom_ops.OPDEF_TO_LIB[qualname]
     if _torch_custom_ops.OPDEFS.get(qualname) is op:
         del _torch_custom_ops.OPDEFS[qualname]
-
-
-def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> bool:
@@ -106,37 +100,7 @@ def _takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> b
 # rule for our batched kernel instead of registering torch's Python one, the
 # fake kernel defaults to the op's own function, keyword-only tensors are
 # allowed, and register_autograd/register_jvp accept our extra forms.
-class _OpExtras:
-    """What torch_autobatch keeps per op beyond torch's CustomOpDef.
-
-    One slotted attribute rather than several instance attributes: torch's
-    vmap copies the op's ``__dict__`` into its wrapper on every ``vmap(op)``
-    call (functools.wraps), at ~0.1 us an entry.
-    """
-
-    __slots__ = (
-        "kwarg_only", "positional_grads_ok", "num_returns", "setup_context_kwonly",
-        "jvp_fn", "jvp_setup_context_fn", "jvp_setup_context_kwonly", "registration",
-        "inductor_decomposition",
-    )
-
-    def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
-        #: Names of the keyword-only arguments, in schema order.
-        self.kwarg_only = kwarg_only
-        #: A backward may return gradients for the positional inputs only.
-        self.positional_grads_ok = positional_grads_ok
-        self.num_returns = num_returns
-        #: Does setup_context take ``keyword_only_inputs``?
-        self.setup_context_kwonly = False
-        self.jvp_fn: Optional[Callable[..., Any]] = None
-        self.jvp_setup_context_fn: Optional[Callable[..., Any]] = None
-        self.jvp_setup_context_kwonly = False
-        self.registration: Any = None  # _C's handle on our kernels' OpState
-        #: Its entry in Inductor's table (NOTE [Inductor sees the function]), or None.
-        self.inductor_decomposition: Optional[Callable[..., Any]] = None
-
-
-class CustomOpDef(_torch_custom_ops.CustomOpDef):
+class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
     """An operator made by :func:`custom_op`; call it like the function it wraps.
 
     It is the same operator as ``torch.ops.<namespace>.<name>``: calling either
@@ -199,7 +163,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         # A backward may return gradients for the positional inputs only (as
         # torch.library allows) unless a keyword-only input is a tensor: its
         # gradient must then be returned, never silently dropped.
-        self._ab = _OpExtras(
+        self._ab = OpExtras(
             kwarg_only=tuple(a.name for a in schema_args if a.kwarg_only),
             positional_grads_ok=not any(
                 a.kwarg_only and _library_utils.is_tensorlist_like_type(a.type)
@@ -235,7 +199,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
 
     # The op's function, for introspection (inspect.signature, inspect.unwrap,
     # help()); properties rather than instance attributes, which vmap(op)
-    # would copy on every call (_OpExtras).
+    # would copy on every call (OpExtras).
     @property
     def __wrapped__(self) -> Callable[..., Any]:
         return self._init_fn
@@ -488,27 +452,7 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
         _compile.refresh_cache_key(self)
         return rule
 
-    # ------------------------------------- called by the C++ kernels (internal)
-    def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Schema-ordered arguments as (positional, keyword-only)."""
-        n = len(args) - len(self._ab.kwarg_only)
-        return args[:n], dict(zip(self._ab.kwarg_only, args[n:]))
-
-    def _run_vmap_rule(self, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The register_vmap rule on the batched arguments, by torch's helper; one value per return."""
-        out = custom_function_call_vmap_helper(
-            retrieve_current_functorch_interpreter(),
-            self._vmap_fn,
-            self._opoverload,
-            *positional,
-            **kwargs,
-        )
-        return (out,) if self._ab.num_returns == 1 else tuple(out)
-
-    def _dissolves_in_trace(self) -> bool:
-        """Vmap under a graph tracer: may the op's function stand for it (NOTE [A trace keeps the op])?"""
-        return _compile.dissolves_in_trace(self._opoverload)
-
+    # ------------------------------------------ called by torch and _compile
     def _decompose_for_inductor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The op's function, for Inductor to fuse (NOTE [Inductor sees the function]).
 
@@ -525,12 +469,6 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
             return fn(*args, **kwargs)
         except Exception:
             return NotImplemented
-
-    def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-        """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""
-        check = getattr(_library_utils, "_c_check_aliasing_constraint", None)
-        if check is not None:
-            check(self._name, args, kwargs, result, lambda: inspect.getmodule(self._init_fn))
 
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
         """The fake kernel: ``register_fake``'s function, or by default the op's own function."""
@@ -554,240 +492,9 @@ class CustomOpDef(_torch_custom_ops.CustomOpDef):
                 f"x.new_empty)."
             ) from e
 
-    def _call_setup_context(
-        self,
-        setup: Callable[..., Any],
-        kwonly_form: bool,
-        ctx: BackwardContext,
-        inputs: tuple[Any, ...],
-        output: Any,
-    ) -> None:
-        try:
-            if kwonly_form:
-                positional, kwargs = self._split_args(inputs)
-                setup(ctx, positional, kwargs, output)
-            else:
-                setup(ctx, inputs, output)
-        except AttributeError as e:
-            self._reraise_assigned_saved_tensors(e, setup, ctx)
-            raise
-        if ctx.dirty_tensors:
-            self._reject_dirty(setup)
-
-    def _reject_dirty(self, setup: Callable[..., Any]) -> None:
-        raise RuntimeError(
-            f"torch_autobatch: the setup_context of {self._qualname} "
-            f"({_fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
-            f"mutates no input (mutates_args=()). Return new tensors instead."
-        )
-
-    def _reraise_assigned_saved_tensors(
-        self, e: AttributeError, setup: Callable[..., Any], ctx: BackwardContext
-    ) -> None:
-        """ctx.saved_tensors is read-only (its descriptor raised ``e``): say so, naming the op."""
-        if getattr(e, "name", None) == "saved_tensors" and getattr(e, "obj", None) is ctx:
-            raise AttributeError(
-                f"torch_autobatch: the setup_context of {self._qualname} "
-                f"({_fn_name(setup)}) assigned ctx.saved_tensors, which is read-only. "
-                f"Call ctx.save_for_backward(*tensors) instead."
-            ) from None
-
-    # NOTE [The per-call Python of a grad node]
-    # _setup_autograd (forward) and _run_backward (backward) are the only
-    # Python our Autograd kernel and grad node run around the user's
-    # functions: two frames forward (_setup_autograd, _call_setup_context:
-    # one home for setup_context's checks, on every path), one backward; the
-    # saved tensors come from C (NOTE [Saved tensors belong to the call]).
-    # Six frames less (ctx.__init__, the save_for_backward override and its
-    # check, the saved_tensors property, two helpers) took 2.6% of the
-    # instructions off a small op's forward + backward
-    # (benchmarks/bench_instructions.py).
-    def _setup_autograd(
-        self, inputs: tuple[Any, ...], output: Any, needs_input_grad: tuple[bool, ...]
-    ) -> BackwardContext:
-        ctx = object.__new__(BackwardContext)
-        ctx.needs_input_grad = needs_input_grad
-        setup = self._setup_context_fn
-        if setup is not None:
-            self._call_setup_context(setup, self._ab.setup_context_kwonly, ctx, inputs, output)
-        return ctx
-
-    def _run_backward(self, ctx: BackwardContext, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Calls the user's backward; the C++ node checks what it returns.
-
-        The node has made its saved tensors ``ctx.saved_tensors`` for this
-        call (NOTE [Saved tensors belong to the call] in csrc/grad_node.cpp).
-        As torch.library allows, a backward may return one gradient per
-        positional input only (keyword-only inputs then get None).
-        """
-        backward = self._backward_fn
-        if backward is None:
-            raise RuntimeError(
-                f"torch_autobatch: {self._qualname} has no backward. Register one with "
-                f"{self._name}.register_autograd(backward, setup_context=setup_context) "
-                f"to differentiate through it."
-            )
-        result = backward(ctx, *grads)
-        if not isinstance(result, tuple):
-            result = (result,)
-        kwarg_only = self._ab.kwarg_only
-        if (
-            kwarg_only
-            and self._ab.positional_grads_ok
-            and len(result) == len(ctx.needs_input_grad) - len(kwarg_only)
-        ):
-            result += (None,) * len(kwarg_only)
-        return result
-
-    @property
-    def _backward_fn_name(self) -> str:
-        return _fn_name(self._backward_fn)
-
-    @property
-    def _jvp_fn_name(self) -> str:
-        return _fn_name(self._ab.jvp_fn)
-
-    def _run_jvp(
-        self,
-        inputs: tuple[Any, ...],
-        outputs: tuple[Any, ...],
-        tangents: tuple[Any, ...],
-        needs_input_grad: tuple[bool, ...],
-    ) -> tuple[Any, ...]:
-        ctx = BackwardContext(needs_input_grad)
-        output = outputs[0] if self._ab.num_returns == 1 else outputs
-        setup, kwonly = (
-            (self._ab.jvp_setup_context_fn, self._ab.jvp_setup_context_kwonly)
-            if self._ab.jvp_setup_context_fn is not None
-            else (self._setup_context_fn, self._ab.setup_context_kwonly)
-        )
-        if setup is not None:
-            self._call_setup_context(setup, kwonly, ctx, inputs, output)
-        result = run_jvp(self._ab.jvp_fn, ctx, tangents)
-        # The C++ side checks every tangent (NOTE [One gate for every user
-        # tangent] in csrc/forward_mode.cpp).
-        return (result,) if self._ab.num_returns == 1 and not isinstance(result, tuple) else result
-
-    def _composite_tangents(
-        self, positional: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Optional[torch.Tensor], ...]:
-        """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
-        try:
-            out = self._init_fn(*positional, **kwargs)
-        except (RuntimeError, NotImplementedError) as e:
-            # torch's own errors are exactly these types; a user's exception
-            # (even a subclass of them) goes on unchanged.
-            if type(e) not in (RuntimeError, NotImplementedError) or not any(
-                k in str(e) for k in ("forward", "Forward", "data pointer", "storage")
-            ):
-                raise
-            # torch's message first, as for the plain function.
-            raise type(e)(
-                f"{e}\ntorch_autobatch: forward-mode AD through {self._qualname} needs the "
-                f"forward-mode derivative of its function, which failed (above). "
-                f"Register a jvp with {self._name}.register_jvp(jvp)."
-            ) from e
-        outs = out if isinstance(out, tuple) else (out,)
-        flat = [t for o in outs for t in (o if isinstance(o, list) else (o,))]
-        tangents = tuple(_tangent(t) for t in flat)
-        if (
-            all(t is None for t in tangents)
-            and any(_is_differentiable(t) for t in flat)
-            and not _outputs_come_from_inputs(self._init_fn, positional, kwargs)
-        ):
-            raise RuntimeError(
-                f"torch_autobatch: forward-mode AD through {self._qualname} got no "
-                f"tangent from its function: it is not differentiable in forward mode "
-                f"(it leaves torch, e.g. through .numpy(), .item() or .tolist()). "
-                f"Returning zeros would be silently wrong. Register a jvp with "
-                f"{self._name}.register_jvp(jvp)."
-            )
-        return tangents
-
-
 # The exception types a fake kernel's failure is explained for (exactly these:
 # see CustomOpDef._fake_impl).
 _PLAIN_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError)
-
-
-def _is_differentiable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-class _FromInputs(torch.overrides.TorchFunctionMode):
-    """Marks every tensor a torch function computes from the inputs, or from a marked tensor."""
-
-    def __init__(self, inputs: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.keep = list(inputs)  # ids stay unique while we hold the tensors
-        self.marked = {id(t) for t in inputs}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
-        if any(isinstance(t, torch.Tensor) and id(t) in self.marked for t in flat_in):
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.keep.append(t)
-                    self.marked.add(id(t))
-        return out
-
-
-def _outputs_come_from_inputs(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """NOTE [Zero tangents]: whether ``fn``'s differentiable outputs are computed by
-    torch functions from its inputs (through any chain of torch functions).
-
-    Forward-mode AD gives an output no tangent both when it does not depend on
-    the inputs' tangents (scatter_reduce's "prod" where the tangent cancels, a
-    detach, an integer path: torch's jvp of the plain function gives zeros,
-    which is right) and when the function leaves torch (``.numpy()``,
-    ``.item()``, ``.tolist()`` and back: zeros would be silently wrong). Run
-    again under a TorchFunctionMode that follows values from the inputs, the
-    two differ: a value that went through numpy or Python numbers comes back as
-    a tensor no torch function computed from an input. Only on the path that
-    would otherwise raise.
-    """
-    inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    mode = _FromInputs(inputs)
-    with mode:
-        out = fn(*args, **kwargs)
-    outs = [t for t in torch.utils._pytree.tree_leaves(out) if _is_differentiable(t)]
-    return bool(outs) and all(id(t) in mode.marked for t in outs)
-
-
-def _tangent(t: Any) -> Optional[torch.Tensor]:
-    if not isinstance(t, torch.Tensor):
-        return None
-    return torch.autograd.forward_ad.unpack_dual(t, level=0).tangent
-
-
-def _check_schema(qualname: str, schema: str) -> None:
-    """Refuses what our kernels cannot honour.
-
-    Mutation (``Tensor(a!)``) is fine, and so is returning a mutated argument
-    (``(Tensor(a!) x) -> Tensor(a!)``: ``tags=torch.Tag.inplace`` / ``out``);
-    a view of an input (``(Tensor(a) x) -> Tensor(a)``) is not.
-    """
-    parsed = torch._C.parse_schema(qualname + schema)
-    mutated_sets = {
-        frozenset(a.alias_info.before_set)
-        for a in parsed.arguments
-        if a.alias_info is not None and a.alias_info.is_write
-    }
-    aliasing = [a for a in parsed.arguments if a.alias_info is not None and not a.alias_info.is_write]
-    returns_a_view = any(
-        r.alias_info is not None
-        and not (r.alias_info.is_write and frozenset(r.alias_info.before_set) in mutated_sets)
-        for r in parsed.returns
-    )
-    if aliasing or returns_a_view:
-        raise NotImplementedError(
-            f"torch_autobatch.custom_op({qualname!r}): the schema {schema!r} declares "
-            f"an output that is a view of an input (Tensor(a)), which is not supported; "
-            f"return new tensors, or return a mutated argument (Tensor(a!) with "
-            f"mutates_args and tags=torch.Tag.inplace or torch.Tag.out)."
-        )
 
 
 def custom_op(
@@ -858,20 +565,7 @@ def custom_op(
                 f"'namespace::name' (e.g. 'mylib::softclip'), got {name!r}."
             )
         namespace, opname = name.split("::", 1)
-        # (tags: torch.Tag.inplace / out give the return's aliasing, as in torch.library)
-        op_schema = schema if schema is not None else infer_schema(
-            f, mutates_args=mutates_args, tags=_torch_custom_ops._normalize_tags(tags)
-        )
-        _check_schema(name, op_schema)
-        if schema is not None:
-            parsed = torch._C.parse_schema(name + schema)
-            written = {a.name for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write}
-            declared = {mutates_args} if isinstance(mutates_args, str) else set(mutates_args)
-            if declared != {"unknown"} and written != declared:
-                raise ValueError(
-                    f"torch_autobatch.custom_op({name!r}): mutates_args={mutates_args!r} "
-                    f"but the schema {schema!r} mutates {sorted(written)}; make them agree."
-                )
+        op_schema = schema_of(name, f, schema, mutates_args, tags)
         return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags, compile=compile)
 
     return inner if fn is None else inner(fn)

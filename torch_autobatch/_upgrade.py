@@ -33,7 +33,8 @@ from torch._library import custom_ops as _torch_custom_ops
 from torch._library import utils as _library_utils
 
 from . import _compile
-from ._custom_op import CustomOpDef, _check_schema
+from ._custom_op import CustomOpDef
+from ._schema import check_schema
 
 Operator = Union[_torch_custom_ops.CustomOpDef, torch._ops.OpOverload, torch._ops.OpOverloadPacket, str]
 
@@ -107,7 +108,7 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
     except (AttributeError, RuntimeError):
         _refuse(qualname, "no such operator; define it first (torch.library.custom_op).")
     schema = str(overload._schema)[len(qualname):]
-    _check_schema(qualname, schema)
+    check_schema(qualname, schema)
     if opdef is not None:
         # torch's pyobj fast path (torch >= 2.14) is for torch's kernels: go
         # through the dispatcher, where ours now are.

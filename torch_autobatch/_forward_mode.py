@@ -1,0 +1,142 @@
+"""Forward-mode AD of a torch_autobatch operator: its Python half.
+
+The C++ side (``csrc/forward_mode.cpp``, NOTE [Forward mode]) decides which
+rule governs each level and checks every tangent (NOTE [One gate for every
+user tangent]); it calls back here, through the op's
+``_run_jvp`` / ``_composite_tangents`` (``_kernel_side.py``), for the two
+ways of computing output tangents: the registered jvp, or forward-mode AD of
+the op's own function.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from . import _C
+from ._autograd import BackwardContext, check_saveable
+
+if TYPE_CHECKING:
+    from ._kernel_side import KernelSide
+
+
+def run_jvp(
+    op: KernelSide,
+    inputs: tuple[Any, ...],
+    outputs: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    needs_input_grad: tuple[bool, ...],
+) -> tuple[Any, ...]:
+    ctx = BackwardContext(needs_input_grad)
+    output = outputs[0] if op._ab.num_returns == 1 else outputs
+    setup, kwonly = (
+        (op._ab.jvp_setup_context_fn, op._ab.jvp_setup_context_kwonly)
+        if op._ab.jvp_setup_context_fn is not None
+        else (op._setup_context_fn, op._ab.setup_context_kwonly)
+    )
+    if setup is not None:
+        op._call_setup_context(setup, kwonly, ctx, inputs, output)
+    result = _call_jvp(op._ab.jvp_fn, ctx, tangents)
+    # The C++ side checks every tangent (NOTE [One gate for every user
+    # tangent] in csrc/forward_mode.cpp).
+    return (result,) if op._ab.num_returns == 1 and not isinstance(result, tuple) else result
+
+
+def _call_jvp(jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...]) -> Any:
+    """Calls the user's jvp with what setup_context saved for it."""
+    saved = ctx.saved_for_forward
+    if saved is None:
+        saved = ctx.to_save
+        check_saveable("save_for_backward", saved or ())
+    ctx.to_save = ctx.saved_for_forward = None
+    return _C._call_with_saved_tensors(jvp_fn, ctx, saved if saved is not None else (), *tangents)
+
+
+def composite_tangents(
+    op: KernelSide, positional: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Optional[torch.Tensor], ...]:
+    """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
+    try:
+        out = op._init_fn(*positional, **kwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        # torch's own errors are exactly these types; a user's exception
+        # (even a subclass of them) goes on unchanged.
+        if type(e) not in (RuntimeError, NotImplementedError) or not any(
+            k in str(e) for k in ("forward", "Forward", "data pointer", "storage")
+        ):
+            raise
+        # torch's message first, as for the plain function.
+        raise type(e)(
+            f"{e}\ntorch_autobatch: forward-mode AD through {op._qualname} needs the "
+            f"forward-mode derivative of its function, which failed (above). "
+            f"Register a jvp with {op._name}.register_jvp(jvp)."
+        ) from e
+    outs = out if isinstance(out, tuple) else (out,)
+    flat = [t for o in outs for t in (o if isinstance(o, list) else (o,))]
+    tangents = tuple(_tangent(t) for t in flat)
+    if (
+        all(t is None for t in tangents)
+        and any(_is_differentiable(t) for t in flat)
+        and not _outputs_come_from_inputs(op._init_fn, positional, kwargs)
+    ):
+        raise RuntimeError(
+            f"torch_autobatch: forward-mode AD through {op._qualname} got no "
+            f"tangent from its function: it is not differentiable in forward mode "
+            f"(it leaves torch, e.g. through .numpy(), .item() or .tolist()). "
+            f"Returning zeros would be silently wrong. Register a jvp with "
+            f"{op._name}.register_jvp(jvp)."
+        )
+    return tangents
+
+
+def _is_differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+class _FromInputs(torch.overrides.TorchFunctionMode):
+    """Marks every tensor a torch function computes from the inputs, or from a marked tensor."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.keep = list(inputs)  # ids stay unique while we hold the tensors
+        self.marked = {id(t) for t in inputs}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and id(t) in self.marked for t in flat_in):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.keep.append(t)
+                    self.marked.add(id(t))
+        return out
+
+
+def _outputs_come_from_inputs(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """NOTE [Zero tangents]: whether ``fn``'s differentiable outputs are computed by
+    torch functions from its inputs (through any chain of torch functions).
+
+    Forward-mode AD gives an output no tangent both when it does not depend on
+    the inputs' tangents (scatter_reduce's "prod" where the tangent cancels, a
+    detach, an integer path: torch's jvp of the plain function gives zeros,
+    which is right) and when the function leaves torch (``.numpy()``,
+    ``.item()``, ``.tolist()`` and back: zeros would be silently wrong). Run
+    again under a TorchFunctionMode that follows values from the inputs, the
+    two differ: a value that went through numpy or Python numbers comes back as
+    a tensor no torch function computed from an input. Only on the path that
+    would otherwise raise.
+    """
+    inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    mode = _FromInputs(inputs)
+    with mode:
+        out = fn(*args, **kwargs)
+    outs = [t for t in torch.utils._pytree.tree_leaves(out) if _is_differentiable(t)]
+    return bool(outs) and all(id(t) in mode.marked for t in outs)
+
+
+def _tangent(t: Any) -> Optional[torch.Tensor]:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return torch.autograd.forward_ad.unpack_dual(t, level=0).tangent

@@ -1,0 +1,211 @@
+"""The Python half of each C++ kernel: the methods csrc/ calls on an op.
+
+NOTE [The Python side of the kernels] (csrc/python_interop.h) lists every
+name the C++ looks up; ``_C._python_side_names()`` returns them with the
+number of arguments each call passes, and test_contract.py checks that
+:class:`KernelSide` defines exactly those methods with those signatures, so a
+rename on either side fails a test rather than a kernel at run time.
+:class:`torch_autobatch.CustomOpDef` inherits them; nothing here is public.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch._functorch.autograd_function import custom_function_call_vmap_helper
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch._library import utils as _library_utils
+
+from . import _compile, _forward_mode
+from ._autograd import BackwardContext
+
+if TYPE_CHECKING:
+    import torch._ops
+
+
+def fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class OpExtras:
+    """What torch_autobatch keeps per op beyond torch's CustomOpDef.
+
+    One slotted attribute rather than several instance attributes: torch's
+    vmap copies the op's ``__dict__`` into its wrapper on every ``vmap(op)``
+    call (functools.wraps), at ~0.1 us an entry.
+    """
+
+    __slots__ = (
+        "kwarg_only", "positional_grads_ok", "num_returns", "setup_context_kwonly",
+        "jvp_fn", "jvp_setup_context_fn", "jvp_setup_context_kwonly", "registration",
+        "inductor_decomposition",
+    )
+
+    def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
+        #: Names of the keyword-only arguments, in schema order.
+        self.kwarg_only = kwarg_only
+        #: A backward may return gradients for the positional inputs only.
+        self.positional_grads_ok = positional_grads_ok
+        self.num_returns = num_returns
+        #: Does setup_context take ``keyword_only_inputs``?
+        self.setup_context_kwonly = False
+        self.jvp_fn: Optional[Callable[..., Any]] = None
+        self.jvp_setup_context_fn: Optional[Callable[..., Any]] = None
+        self.jvp_setup_context_kwonly = False
+        self.registration: Any = None  # _C's handle on our kernels' OpState
+        #: Its entry in Inductor's table (NOTE [Inductor sees the function]), or None.
+        self.inductor_decomposition: Optional[Callable[..., Any]] = None
+
+
+class KernelSide:
+    """The methods our C++ kernels call on an op (NOTE [The Python side of the kernels]).
+
+    A mixin of :class:`torch_autobatch.CustomOpDef`, which provides the
+    attributes declared here (torch's ``CustomOpDef`` and ours).
+    """
+
+    _ab: OpExtras
+    _qualname: str
+    _name: str
+    _init_fn: Callable[..., Any]
+    _opoverload: torch._ops.OpOverload
+    _vmap_fn: Optional[Callable[..., Any]]
+    _backward_fn: Optional[Callable[..., Any]]
+    _setup_context_fn: Optional[Callable[..., Any]]
+
+    def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Schema-ordered arguments as (positional, keyword-only)."""
+        n = len(args) - len(self._ab.kwarg_only)
+        return args[:n], dict(zip(self._ab.kwarg_only, args[n:]))
+
+    def _run_vmap_rule(self, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The register_vmap rule on the batched arguments, by torch's helper; one value per return."""
+        out = custom_function_call_vmap_helper(
+            retrieve_current_functorch_interpreter(),
+            self._vmap_fn,
+            self._opoverload,
+            *positional,
+            **kwargs,
+        )
+        return (out,) if self._ab.num_returns == 1 else tuple(out)
+
+    def _dissolves_in_trace(self) -> bool:
+        """Vmap under a graph tracer: may the op's function stand for it (NOTE [A trace keeps the op])?"""
+        return _compile.dissolves_in_trace(self._opoverload)
+
+    def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""
+        check = getattr(_library_utils, "_c_check_aliasing_constraint", None)
+        if check is not None:
+            check(self._name, args, kwargs, result, lambda: inspect.getmodule(self._init_fn))
+
+    def _call_setup_context(
+        self,
+        setup: Callable[..., Any],
+        kwonly_form: bool,
+        ctx: BackwardContext,
+        inputs: tuple[Any, ...],
+        output: Any,
+    ) -> None:
+        try:
+            if kwonly_form:
+                positional, kwargs = self._split_args(inputs)
+                setup(ctx, positional, kwargs, output)
+            else:
+                setup(ctx, inputs, output)
+        except AttributeError as e:
+            self._reraise_assigned_saved_tensors(e, setup, ctx)
+            raise
+        if ctx.dirty_tensors:
+            self._reject_dirty(setup)
+
+    def _reject_dirty(self, setup: Callable[..., Any]) -> None:
+        raise RuntimeError(
+            f"torch_autobatch: the setup_context of {self._qualname} "
+            f"({fn_name(setup)}) called ctx.mark_dirty, but {self._qualname} "
+            f"mutates no input (mutates_args=()). Return new tensors instead."
+        )
+
+    def _reraise_assigned_saved_tensors(
+        self, e: AttributeError, setup: Callable[..., Any], ctx: BackwardContext
+    ) -> None:
+        """ctx.saved_tensors is read-only (its descriptor raised ``e``): say so, naming the op."""
+        if getattr(e, "name", None) == "saved_tensors" and getattr(e, "obj", None) is ctx:
+            raise AttributeError(
+                f"torch_autobatch: the setup_context of {self._qualname} "
+                f"({fn_name(setup)}) assigned ctx.saved_tensors, which is read-only. "
+                f"Call ctx.save_for_backward(*tensors) instead."
+            ) from None
+
+    # NOTE [The per-call Python of a grad node]
+    # _setup_autograd (forward) and _run_backward (backward) are the only
+    # Python our Autograd kernel and grad node run around the user's
+    # functions: two frames forward (_setup_autograd, _call_setup_context:
+    # one home for setup_context's checks, on every path), one backward; the
+    # saved tensors come from C (NOTE [Saved tensors belong to the call]).
+    # Six frames less (ctx.__init__, the save_for_backward override and its
+    # check, the saved_tensors property, two helpers) took 2.6% of the
+    # instructions off a small op's forward + backward
+    # (benchmarks/bench_instructions.py).
+    def _setup_autograd(
+        self, inputs: tuple[Any, ...], output: Any, needs_input_grad: tuple[bool, ...]
+    ) -> BackwardContext:
+        ctx = object.__new__(BackwardContext)
+        ctx.needs_input_grad = needs_input_grad
+        setup = self._setup_context_fn
+        if setup is not None:
+            self._call_setup_context(setup, self._ab.setup_context_kwonly, ctx, inputs, output)
+        return ctx
+
+    def _run_backward(self, ctx: BackwardContext, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Calls the user's backward; the C++ node checks what it returns.
+
+        The node has made its saved tensors ``ctx.saved_tensors`` for this
+        call (NOTE [Saved tensors belong to the call] in csrc/grad_node.cpp).
+        As torch.library allows, a backward may return one gradient per
+        positional input only (keyword-only inputs then get None).
+        """
+        backward = self._backward_fn
+        if backward is None:
+            raise RuntimeError(
+                f"torch_autobatch: {self._qualname} has no backward. Register one with "
+                f"{self._name}.register_autograd(backward, setup_context=setup_context) "
+                f"to differentiate through it."
+            )
+        result = backward(ctx, *grads)
+        if not isinstance(result, tuple):
+            result = (result,)
+        kwarg_only = self._ab.kwarg_only
+        if (
+            kwarg_only
+            and self._ab.positional_grads_ok
+            and len(result) == len(ctx.needs_input_grad) - len(kwarg_only)
+        ):
+            result += (None,) * len(kwarg_only)
+        return result
+
+    @property
+    def _backward_fn_name(self) -> str:
+        return fn_name(self._backward_fn)
+
+    @property
+    def _jvp_fn_name(self) -> str:
+        return fn_name(self._ab.jvp_fn)
+
+    def _run_jvp(
+        self,
+        inputs: tuple[Any, ...],
+        outputs: tuple[Any, ...],
+        tangents: tuple[Any, ...],
+        needs_input_grad: tuple[bool, ...],
+    ) -> tuple[Any, ...]:
+        """The registered jvp's output tangents, one per output (``_forward_mode.run_jvp``)."""
+        return _forward_mode.run_jvp(self, inputs, outputs, tangents, needs_input_grad)
+
+    def _composite_tangents(
+        self, positional: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        """The output tangents from the function's own forward-mode AD (``_forward_mode.composite_tangents``)."""
+        return _forward_mode.composite_tangents(self, positional, kwargs)
