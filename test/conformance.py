@@ -56,6 +56,7 @@ from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import torch_autobatch
+from oracles import vmap_loop
 
 NS = "tab_conf"
 B = 3
@@ -323,27 +324,18 @@ class Runner:
         raise ValueError(transform)
 
     def loop(self, transform: str, f: Callable[..., Any]) -> Any:
-        """The per-example loop that a vmap transform must equal."""
+        """The per-example loop that a vmap transform must equal: ``run``'s function, looped."""
         case, xs = self.case, self.case.inputs
         if transform == "vmap":
-            per = [f(*[b[k] for b in self.batched]) for k in range(B)]
-        elif transform == "vmap_first":
-            per = [f(self.batched[0][k], *xs[1:]) for k in range(B)]
-        elif transform == "vmap_vjp":
-            per = []
-            for k in range(B):
-                d = [self.batched[i][k] for i in case.diff_in]
-                per.append(vjp(case.differentiable(f, xs), *d)[1](tuple(c[k] for c in self.batched_cts)))
-        elif transform == "vmap_jvp":
-            per = []
-            for k in range(B):
-                d = tuple(self.batched[i][k] for i in case.diff_in)
-                per.append(jvp(case.differentiable(f, xs), d, tuple(t[k] for t in self.batched_tangents)))
-        else:
-            raise ValueError(transform)
-        flat = [tree_flatten(p) for p in per]
-        stacked = [torch.stack([fl[0][j] for fl in flat]) for j in range(len(flat[0][0]))]
-        return tree_unflatten(stacked, flat[0][1])
+            return vmap_loop(f, 0, *self.batched)
+        if transform == "vmap_first":
+            return vmap_loop(f, (0,) + (None,) * (len(xs) - 1), self.batched[0], *xs[1:])
+        diff = tuple(self.batched[i] for i in case.diff_in)
+        if transform == "vmap_vjp":
+            return vmap_loop(lambda d, ct: vjp(case.differentiable(f, xs), *d)[1](ct), 0, diff, self.batched_cts)
+        if transform == "vmap_jvp":
+            return vmap_loop(lambda d, t: jvp(case.differentiable(f, xs), d, t), 0, diff, self.batched_tangents)
+        raise ValueError(transform)
 
 
 def _seeded(fn: Callable[[], Any], seed: int = 0) -> Any:

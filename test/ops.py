@@ -3,7 +3,7 @@
 Every operator here is defined with :func:`torch_autobatch.custom_op` in the
 ``tab_test`` namespace and registers a backward that returns **twice** the true
 derivative. Each is paired with a "plain oracle": the same computation written
-with ordinary torch ops and wrapped in :func:`twice_grad`, which leaves the
+with ordinary torch ops and wrapped in :func:`oracles.twice_grad`, which leaves the
 values unchanged but doubles every derivative that flows through a floating
 output. So under any reverse-mode transform the operator and its oracle must
 agree exactly; had the registered backward been ignored (and the operator's
@@ -33,30 +33,11 @@ from typing import Any, Callable, Optional
 import torch
 
 import torch_autobatch
+from oracles import DTYPE, twice_grad
 
 NS = "tab_test"
-DTYPE = torch.float64
 
 Sample = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-def _twice(y: Any) -> Any:
-    if isinstance(y, torch.Tensor) and y.is_floating_point():
-        return y.detach() + 2 * (y - y.detach())
-    return y
-
-
-def twice_grad(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``f`` with the same values and every derivative doubled (per floating output)."""
-
-    def oracle(*args: Any, **kwargs: Any) -> Any:
-        out = f(*args, **kwargs)
-        if isinstance(out, (tuple, list)):
-            return type(out)(_twice(o) for o in out)
-        return _twice(out)
-
-    oracle.__name__ = f"twice_grad({getattr(f, '__name__', 'f')})"
-    return oracle
 
 
 def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ same op made with ``torch.library.custom_op`` gives its function, eagerly.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 import torch
@@ -28,6 +27,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
+from oracles import unique_op_name
 
 _T = torch.ones(2)
 
@@ -117,7 +117,6 @@ def _call_args(case_id: str, kwarg_only: bool) -> tuple[tuple[Any, ...], dict[st
 
 
 _REFERENCE: dict[tuple[str, bool], Any] = {}
-_counter = itertools.count()
 
 
 def _received(args: tuple[Any, ...], kwargs: dict[str, Any], kwarg_only: bool) -> Any:
@@ -144,7 +143,7 @@ def reference(case_id: str, kwarg_only: bool) -> Any:
             seen.append(_received(args, kwargs, kwarg_only))
             return x.clone()
 
-        name = f"tab_argtypes_ref::op{next(_counter)}"
+        name = unique_op_name("tab_argtypes_ref")
         op = torch.library.custom_op(name, fn, mutates_args=(), schema=_schema(case_id, kwarg_only))
         args, kwargs = _call_args(case_id, kwarg_only)
         op(torch.ones(2), *args, **kwargs)
@@ -165,7 +164,7 @@ class Recorder:
             record("function", args, kwargs)
             return x * 2
 
-        name = f"tab_argtypes::op{next(_counter)}"
+        name = unique_op_name("tab_argtypes")
         self.op = torch_autobatch.custom_op(
             name, fn, mutates_args=(), schema=schema, vmap="loop" if variant == "loop" else "auto"
         )

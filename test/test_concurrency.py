@@ -17,7 +17,7 @@ from torch.func import vjp, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from ops import twice_grad
+from oracles import twice_grad
 
 TIMEOUT = 30.0
 

@@ -30,7 +30,8 @@ from torch.testing._internal.common_utils import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import torch_autobatch
-from ops import DTYPE, OPS, OpEntry, twice_grad
+from ops import OPS, OpEntry
+from oracles import DTYPE, twice_grad
 
 ALL_ARGNUMS = object()  # sentinel: differentiate w.r.t. every floating tensor argument
 

@@ -37,6 +37,7 @@ from torch.testing._internal.common_utils import (
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import torch_autobatch  # noqa: F401  (the exec'd source imports it)
+from oracles import vmap_loop
 
 NS = "tab_db"
 B = 3
@@ -131,11 +132,6 @@ def _eager_grads(loss: Callable[..., torch.Tensor], primals: list[torch.Tensor])
     return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(ps, grads))
 
 
-def _stack(results: list[Any]) -> Any:
-    return tree_map(lambda *xs: torch.stack(xs) if isinstance(xs[0], torch.Tensor) else xs[0],
-                    *results)
-
-
 class TestCustomOpDb(TestCase):
     def _samples(self, name: str, requires_grad: bool = False) -> list[Sample]:
         torch.manual_seed(0)
@@ -175,8 +171,7 @@ class TestCustomOpDb(TestCase):
             got = torch.vmap(s.fn(ours.op), out_dims=out_dims)(*xs)
             # assertEqual compares shapes exactly: a list output batched twice fails here.
             self.assertEqual(got, expected)
-            loop = _stack([s.fn(ours.op)(*[x[b] for x in xs]) for b in range(B)])
-            self.assertEqual(got, loop)
+            self.assertEqual(got, vmap_loop(s.fn(ours.op), 0, *xs, out_dims=out_dims))
 
     @parametrize("name", AUTOGRAD)
     def test_grad_and_vjp_match_eager_autograd(self, name):
@@ -216,10 +211,7 @@ class TestCustomOpDb(TestCase):
             weights = [torch.randn_like(o) for o in _floats(s.fn(original.op)(*s.primals))]
             argnums = tuple(range(len(xs)))
             got = torch.vmap(torch.func.grad(_loss(s.fn(ours.op), weights), argnums=argnums))(*xs)
-            loop = _stack([
-                _eager_grads(_loss(s.fn(original.op), weights), [x[b] for x in xs])
-                for b in range(B)
-            ])
+            loop = vmap_loop(lambda *p: _eager_grads(_loss(s.fn(original.op), weights), list(p)), 0, *xs)
             self.assertEqual(got, loop)
 
             def per_sample_vjp(*p):

@@ -24,15 +24,14 @@ from torch.testing._internal.common_utils import (
 
 import torch_autobatch
 from ops import (
-    DTYPE,
     _softclip_ref,
     _tanh_linear_ref,
     _weighted_sin_sum_ref,
     softclip,
     tanh_linear,
-    twice_grad,
     weighted_sin_sum,
 )
+from oracles import DTYPE, twice_grad
 
 NS = "tab_test"
 

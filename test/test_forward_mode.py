@@ -17,14 +17,7 @@ from torch.func import grad, hessian, jacfwd, jvp, linearize, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-
-
-def twice(y):
-    return y.detach() + 2 * (y - y.detach())
-
-
-def thrice(y):
-    return y.detach() + 3 * (y - y.detach())
+from oracles import check_same_as_plain, randn, thrice_grad, twice_grad
 
 
 def _f(x, y):
@@ -93,16 +86,8 @@ def derived(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 derived.register_autograd(_f_backward, setup_context=_f_setup)
 
 
-def f_fwd(x, y):  # forward derivative 3x
-    return thrice(_f(x, y))
-
-
-def f_rev(x, y):  # reverse derivative 2x
-    return twice(_f(x, y))
-
-
-def randn(*shape):
-    return torch.randn(*shape, dtype=torch.float64)
+f_fwd = thrice_grad(_f)  # forward derivative 3x
+f_rev = twice_grad(_f)  # reverse derivative 2x
 
 
 class TestCustomJvp(TestCase):
@@ -114,16 +99,16 @@ class TestCustomJvp(TestCase):
 
     def test_jvp_all_and_some_tangents(self):
         x, y, tx, ty = self.x, self.y, self.tx, self.ty
-        self.assertEqual(jvp(f, (x, y), (tx, ty)), jvp(f_fwd, (x, y), (tx, ty)))
+        self.assertEqual(*check_same_as_plain(lambda g: lambda x, y: jvp(g, (x, y), (tx, ty)), f, f_fwd, x, y))
         # a tangent for x only: y's is a zero tangent (None in the user's jvp)
-        got = jvp(lambda x: f(x, y), (x,), (tx,))
-        self.assertEqual(got, jvp(lambda x: f_fwd(x, y), (x,), (tx,)))
+        got, want = check_same_as_plain(lambda g: lambda x: jvp(lambda x: g(x, y), (x,), (tx,)), f, f_fwd, x)
+        self.assertEqual(got, want)
         self.assertEqual(got[1], 3 * _df(x, y, tx, None))
 
     def test_jacfwd_and_linearize(self):
         x, y = self.x[0], self.y[0]
-        self.assertEqual(jacfwd(f)(x, y), jacfwd(f_fwd)(x, y))
-        self.assertEqual(jacfwd(f, argnums=1)(x, y), jacfwd(f_fwd, argnums=1)(x, y))
+        self.assertEqual(*check_same_as_plain(jacfwd, f, f_fwd, x, y))
+        self.assertEqual(*check_same_as_plain(lambda g: jacfwd(g, argnums=1), f, f_fwd, x, y))
         out, fn = linearize(lambda x: f(x, y), x)
         self.assertEqual(fn(self.tx[0]), 3 * _df(x, y, self.tx[0], None))
 
@@ -194,39 +179,36 @@ class TestCustomJvp(TestCase):
 
     def test_nested_forward(self):
         x, y, tx = self.x[0], self.y[0], self.tx[0]
-        self.assertEqual(
-            jvp(lambda x: jvp(lambda x: f(x, y), (x,), (tx,))[1], (x,), (tx,)),
-            jvp(lambda x: jvp(lambda x: f_fwd(x, y), (x,), (tx,))[1], (x,), (tx,)),
-        )
-        self.assertEqual(jacfwd(jacfwd(f))(x, y), jacfwd(jacfwd(f_fwd))(x, y))
+        self.assertEqual(*check_same_as_plain(
+            lambda g: lambda x: jvp(lambda x: jvp(lambda x: g(x, y), (x,), (tx,))[1], (x,), (tx,)), f, f_fwd, x
+        ))
+        self.assertEqual(*check_same_as_plain(lambda g: jacfwd(jacfwd(g)), f, f_fwd, x, y))
 
     def test_with_vmap(self):
         x, y, tx, ty = self.x, self.y, self.tx, self.ty
         # vmap(jvp): the jvp level is above vmap
-        got = vmap(lambda x, y, tx, ty: jvp(f, (x, y), (tx, ty)))(x, y, tx, ty)
-        self.assertEqual(got, vmap(lambda x, y, tx, ty: jvp(f_fwd, (x, y), (tx, ty)))(x, y, tx, ty))
+        self.assertEqual(*check_same_as_plain(
+            lambda g: vmap(lambda x, y, tx, ty: jvp(g, (x, y), (tx, ty))), f, f_fwd, x, y, tx, ty
+        ))
         # jvp(vmap): the jvp level is below vmap; the op runs batched once
-        got = jvp(vmap(f), (x, y), (tx, ty))
-        self.assertEqual(got, jvp(vmap(f_fwd), (x, y), (tx, ty)))
-        got = jvp(vmap(f, in_dims=(0, None)), (x, y[0]), (tx, ty[0]))
-        self.assertEqual(got, jvp(vmap(f_fwd, in_dims=(0, None)), (x, y[0]), (tx, ty[0])))
-        self.assertEqual(vmap(jacfwd(f))(x, y), vmap(jacfwd(f_fwd))(x, y))
+        self.assertEqual(*check_same_as_plain(lambda g: lambda x, y: jvp(vmap(g), (x, y), (tx, ty)), f, f_fwd, x, y))
+        self.assertEqual(*check_same_as_plain(
+            lambda g: lambda x, y: jvp(vmap(g, in_dims=(0, None)), (x, y), (tx, ty[0])), f, f_fwd, x, y[0]
+        ))
+        self.assertEqual(*check_same_as_plain(lambda g: vmap(jacfwd(g)), f, f_fwd, x, y))
 
     def test_mixed_with_reverse(self):
         x, y, tx = self.x[0], self.y[0], self.tx[0]
         # grad(jvp): the outer grad differentiates the registered jvp (3x)
-        self.assertEqual(
-            grad(lambda x: jvp(lambda x: f(x, y), (x,), (tx,))[1].sum())(x),
-            grad(lambda x: jvp(lambda x: f_fwd(x, y), (x,), (tx,))[1].sum())(x),
-        )
+        self.assertEqual(*check_same_as_plain(
+            lambda g: grad(lambda x: jvp(lambda x: g(x, y), (x,), (tx,))[1].sum()), f, f_fwd, x
+        ))
         # jvp(grad) and hessian = jacfwd(jacrev): the outer forward mode
         # differentiates the registered backward (2x)
-        g = lambda x: grad(lambda x: f(x, y).sum())(x)  # noqa: E731
-        g_ref = lambda x: grad(lambda x: f_rev(x, y).sum())(x)  # noqa: E731
-        self.assertEqual(jvp(g, (x,), (tx,)), jvp(g_ref, (x,), (tx,)))
-        self.assertEqual(
-            hessian(lambda x: f(x, y).sum())(x), hessian(lambda x: f_rev(x, y).sum())(x)
-        )
+        self.assertEqual(*check_same_as_plain(
+            lambda g: lambda x: jvp(grad(lambda x: g(x, y).sum()), (x,), (tx,)), f, f_rev, x
+        ))
+        self.assertEqual(*check_same_as_plain(lambda g: hessian(lambda x: g(x, y).sum()), f, f_rev, x))
 
     def test_several_outputs_and_own_setup_context(self):
         x, tx = self.x, self.tx
@@ -257,14 +239,11 @@ class TestDerivedJvp(TestCase):
         _, t = jvp(lambda x: derived(x, y), (x,), (tx,))
         self.assertEqual(t, _df(x, y, tx, None))
         self.assertNotEqual(t, torch.zeros_like(t))
-        self.assertEqual(jacfwd(derived)(x[0], y[0]), jacfwd(_f)(x[0], y[0]))
-        self.assertEqual(jvp(vmap(derived), (x, y), (tx, tx)), jvp(vmap(_f), (x, y), (tx, tx)))
-        self.assertEqual(vmap(jacfwd(derived))(x, y), vmap(jacfwd(_f))(x, y))
+        self.assertEqual(*check_same_as_plain(jacfwd, derived, _f, x[0], y[0]))
+        self.assertEqual(*check_same_as_plain(lambda g: lambda x, y: jvp(vmap(g), (x, y), (tx, tx)), derived, _f, x, y))
+        self.assertEqual(*check_same_as_plain(lambda g: vmap(jacfwd(g)), derived, _f, x, y))
         # reverse mode still uses the registered (2x) backward
-        self.assertEqual(
-            hessian(lambda x: derived(x, y[0]).sum())(x[0]),
-            hessian(lambda x: f_rev(x, y[0]).sum())(x[0]),
-        )
+        self.assertEqual(*check_same_as_plain(lambda g: hessian(lambda x: g(x, y[0]).sum()), derived, f_rev, x[0]))
 
     def test_not_forward_differentiable_raises(self):
         @torch_autobatch.custom_op("tab_fwd::via_numpy", mutates_args=())

@@ -19,6 +19,7 @@ from torch.func import grad, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
+from oracles import make_scaled_rule_op
 
 NS = "tab_lifetime"
 
@@ -39,12 +40,9 @@ class TestRedefinition(TestCase):
         self.x = torch.randn(4, 3, dtype=torch.float64)
 
     def _ours(self, name: str, fn=torch.sin, backward_scale: float = 2.0):
-        op = torch_autobatch.custom_op(f"{NS}::{name}", lambda x: fn(x), mutates_args=(), schema="(Tensor x) -> Tensor")
-        op.register_autograd(
-            lambda ctx, g: backward_scale * g * torch.cos(ctx.x),
-            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
-        )
-        return op
+        # The backward is backward_scale * cos whatever fn is: which definition ran shows.
+        return make_scaled_rule_op(f"{NS}::{name}", lambda x: fn(x), torch.cos, scale=backward_scale,
+                                   schema="(Tensor x) -> Tensor")
 
     def test_redefined_by_torch_library(self):
         self._ours("by_torch")

@@ -22,6 +22,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
+from oracles import check_same_as_plain, make_scaled_rule_op
 
 NS = "tab_nested"
 
@@ -35,11 +36,12 @@ def forces_plain(x: torch.Tensor) -> torch.Tensor:
     return -grad(energy)(x)
 
 
-forces = torch_autobatch.custom_op(f"{NS}::forces", forces_plain, mutates_args=(),
-                                   schema="(Tensor x) -> Tensor")
+def _dforces(x: torch.Tensor) -> torch.Tensor:
+    return -2 * torch.cos(2 * x)
+
+
 # forces(x) = -sin(2x); the registered backward is 2x the true one.
-forces.register_autograd(lambda ctx, g: 2 * g * -2 * torch.cos(2 * ctx.x),
-                         setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+forces = make_scaled_rule_op(f"{NS}::forces", forces_plain, _dforces, schema="(Tensor x) -> Tensor")
 
 
 def forces_2x_grad(x: torch.Tensor) -> torch.Tensor:
@@ -184,10 +186,7 @@ class TestRandomnessInsideTheOp(TestCase):
         self.assertEqual(got, expected, atol=0, rtol=0)
 
 
-forces_ruled = torch_autobatch.custom_op(f"{NS}::forces_ruled", forces_plain, mutates_args=(),
-                                        schema="(Tensor x) -> Tensor")
-forces_ruled.register_autograd(lambda ctx, g: 2 * g * -2 * torch.cos(2 * ctx.x),
-                               setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+forces_ruled = make_scaled_rule_op(f"{NS}::forces_ruled", forces_plain, _dforces, schema="(Tensor x) -> Tensor")
 
 
 @forces_ruled.register_vmap
@@ -227,20 +226,19 @@ G = torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(2), dtype=torch
 class TestDecompositionsUnderAnADLevel(TestCase):
     """NOTE [Decompositions under an AD level] (csrc/batched_kernel.cpp)."""
 
-    def _both(self, transform):
-        return transform(stack2), transform(_stack_plain)
-
     def test_vmap_jvp(self):
-        got, expected = self._both(lambda f: vmap(lambda x, y: jvp(f, (x, y), (x.cos(), y))[1])(Y, Y.sin()))
+        got, expected = check_same_as_plain(
+            lambda f: vmap(lambda x, y: jvp(f, (x, y), (x.cos(), y))[1]), stack2, _stack_plain, Y, Y.sin())
         self.assertEqual(got, expected)
 
     def test_vmap_vjp_honours_the_backward(self):
-        got, expected = self._both(
-            lambda f: vmap(lambda x, y, g: torch.func.vjp(f, x, y)[1](g))(Y, Y.sin(), G))
+        got, expected = check_same_as_plain(
+            lambda f: vmap(lambda x, y, g: torch.func.vjp(f, x, y)[1](g)), stack2, _stack_plain, Y, Y.sin(), G)
         self.assertEqual(got, tuple(2 * e for e in expected))
 
     def test_vmap_grad_honours_the_backward(self):
-        got, expected = self._both(lambda f: vmap(grad(lambda x, y: (f(x, y) ** 2).sum()))(Y, Y.cos()))
+        got, expected = check_same_as_plain(
+            lambda f: vmap(grad(lambda x, y: (f(x, y) ** 2).sum())), stack2, _stack_plain, Y, Y.cos())
         self.assertEqual(got, 2 * expected)
 
     def test_vmap_alone_fails_as_the_plain_function_does(self):

@@ -9,6 +9,7 @@ import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
+from oracles import make_scaled_rule_op
 
 NS = "tab_upgrade"
 
@@ -22,22 +23,14 @@ def _third_party_softclip(name: str):
     """What a library we do not own ships: a torch.library.custom_op with a (2x) backward."""
     calls = []
 
-    @torch.library.custom_op(f"{NS}::{name}", mutates_args=())
     def softclip(x: torch.Tensor, scale: float) -> torch.Tensor:
         calls.append(x.shape)
         return scale * torch.tanh(x / scale)
 
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.scale = inputs[1]
-
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * grad * (1 - torch.tanh(x / ctx.scale) ** 2), None
-
-    softclip.register_autograd(backward, setup_context=setup_context)
-    softclip.register_fake(lambda x, scale: torch.empty_like(x))
-    return softclip, calls
+    op = make_scaled_rule_op(f"{NS}::{name}", softclip, lambda x, scale: 1 - torch.tanh(x / scale) ** 2,
+                             save_for_backward=True, define=torch.library.custom_op)
+    op.register_fake(lambda x, scale: torch.empty_like(x))
+    return op, calls
 
 
 def _dsoftclip(x, scale=2.0):

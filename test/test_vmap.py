@@ -18,13 +18,9 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
+from oracles import check_same_as_plain, randn, twice, vmap_equals_loop, vmap_loop
 
 CALLS = {"f": 0, "two": 0, "rule": 0}
-
-
-def twice(y: torch.Tensor) -> torch.Tensor:
-    """y with a derivative 2x the true one."""
-    return y.detach() + 2 * (y - y.detach())
 
 
 # f(x, y) = sin(x) * y + x.sum(-1, keepdim=True): the benchmarks' op (docs/performance.md).
@@ -135,24 +131,6 @@ ruled.register_autograd(lambda ctx, g: 2 * g * torch.cos(ctx.saved_tensors[0]),
                         setup_context=lambda ctx, inputs, out: ctx.save_for_backward(inputs[0]))
 
 
-def loop(fn, *args, in_dims=0):
-    """The per-example oracle for vmap(fn)(*args)."""
-    if not isinstance(in_dims, tuple):
-        in_dims = (in_dims,) * len(args)
-    size = next(a.size(d) for a, d in zip(args, in_dims) if d is not None)
-    outs = [
-        fn(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
-        for i in range(size)
-    ]
-    if isinstance(outs[0], tuple):
-        return tuple(torch.stack(o) for o in zip(*outs))
-    return torch.stack(outs)
-
-
-def randn(*shape):
-    return torch.randn(*shape, dtype=torch.float64)
-
-
 class TestVmap(TestCase):
     def setUp(self):
         super().setUp()
@@ -184,7 +162,7 @@ class TestVmap(TestCase):
     def test_in_dims(self, in_dims):
         x, y = randn(4, 4), randn(4, 4)
         got = self.assertRunsOnce("f", lambda: vmap(f, in_dims=in_dims)(x, y))
-        self.assertEqual(got, loop(f, x, y, in_dims=in_dims))
+        self.assertEqual(got, vmap_loop(f, in_dims, x, y))
         self.assertEqual(got, vmap(f_ref, in_dims=in_dims)(x, y))
 
     def test_nested_in_dims_and_kwargs(self):
@@ -197,35 +175,36 @@ class TestVmap(TestCase):
         got = self.assertRunsOnce(
             "two", lambda: vmap(fn, in_dims=((0, None), None))((x, b), 0.5)
         )
-        self.assertEqual(got, loop(lambda x: two(x, 0.5, b), x))
+        self.assertEqual(got, vmap_loop(fn, ((0, None), None), (x, b), 0.5))
 
     def test_out_dims_and_chunk_size(self):
         x, y = randn(6, 4), randn(6, 4)
         got = vmap(f, out_dims=1)(x, y)
-        self.assertEqual(got, loop(f, x, y).movedim(0, 1))
+        self.assertEqual(got, vmap_loop(f, 0, x, y, out_dims=1))
         CALLS["f"] = 0
         got = vmap(f, chunk_size=2)(x, y)
         self.assertEqual(CALLS["f"], 3)  # once per chunk
-        self.assertEqual(got, loop(f, x, y))
+        self.assertEqual(got, vmap_loop(f, 0, x, y))
 
     def test_several_outputs_some_unused(self):
         x, b = randn(4, 3), randn(4, 3)
         a, e = self.assertRunsOnce("two", lambda: vmap(two, in_dims=(0, None, 0))(x, 2.0, b))
-        ra, re = loop(lambda x, b: two(x, 2.0, b), x, b)
+        ra, re = vmap_loop(two, (0, None, 0), x, 2.0, b)
         self.assertEqual(a, ra)
         self.assertEqual(e, re)
 
-        g = vmap(grad(lambda x: two(x, 2.0, None)[1].sum()))(x)
-        self.assertEqual(g, vmap(grad(lambda x: two_ref(x, 2.0, None)[1].sum()))(x))
+        self.assertEqual(
+            *check_same_as_plain(lambda g: vmap(grad(lambda x: g(x, 2.0, None)[1].sum())), two, two_ref, x)
+        )
 
     def test_vmap_vmap(self):
         x, y = randn(2, 3, 4), randn(2, 3, 4)
         got = self.assertRunsOnce("f", lambda: vmap(vmap(f))(x, y))
-        self.assertEqual(got, loop(lambda x, y: loop(f, x, y), x, y))
+        self.assertEqual(got, vmap_loop(lambda x, y: vmap_loop(f, 0, x, y), 0, x, y))
         # outer product: x batched by the outer vmap, y by the inner one
         xs, ys = randn(2, 4), randn(3, 4)
         got = vmap(vmap(f, in_dims=(None, 0)), in_dims=(0, None))(xs, ys)
-        self.assertEqual(got, torch.stack([torch.stack([f(a, b) for b in ys]) for a in xs]))
+        self.assertEqual(got, vmap_loop(lambda a, b: vmap_loop(f, (None, 0), a, b), (0, None), xs, ys))
 
     def test_randomness(self):
         x = torch.zeros(4, 3)
@@ -246,11 +225,12 @@ class TestVmap(TestCase):
     def test_vmap_grad_per_sample(self):
         x, w = randn(5, 4), randn(4)
         for argnums in (0, 1):
-            loss = lambda x, w: f(x, w).sum()  # noqa: E731
-            ref = lambda x, w: f_ref(x, w).sum()  # noqa: E731
-            got = vmap(grad(loss, argnums=argnums), in_dims=(0, None))(x, w)
-            self.assertEqual(got, vmap(grad(ref, argnums=argnums), in_dims=(0, None))(x, w))
-            self.assertEqual(got, loop(grad(ref, argnums=argnums), x, w, in_dims=(0, None)))
+            loss = lambda g: lambda x, w: g(x, w).sum()  # noqa: E731
+            got, want = check_same_as_plain(
+                lambda g: vmap(grad(loss(g), argnums=argnums), in_dims=(0, None)), f, f_ref, x, w
+            )
+            self.assertEqual(got, want)
+            self.assertEqual(got, vmap_loop(grad(loss(f_ref), argnums=argnums), (0, None), x, w))
 
     def test_grad_vmap(self):
         x, w = randn(5, 4), randn(4)
@@ -266,21 +246,19 @@ class TestVmap(TestCase):
         def vjp_of(fn):
             return lambda x, y, ct: vjp(fn, x, y)[1](ct)
 
-        self.assertEqual(vmap(vjp_of(f))(x, y, ct), vmap(vjp_of(f_ref))(x, y, ct))
+        self.assertEqual(*check_same_as_plain(lambda g: vmap(vjp_of(g)), f, f_ref, x, y, ct))
 
     def test_jacrev_vmap_and_vmap_jacrev(self):
         x, y = randn(3, 4), randn(3, 4)
-        self.assertEqual(vmap(jacrev(f))(x, y), vmap(jacrev(f_ref))(x, y))
-        self.assertEqual(jacrev(vmap(f))(x, y), jacrev(vmap(f_ref))(x, y))
-        self.assertEqual(
-            jacrev(vmap(f), argnums=1)(x, y), jacrev(vmap(f_ref), argnums=1)(x, y)
-        )
+        self.assertEqual(*check_same_as_plain(lambda g: vmap(jacrev(g)), f, f_ref, x, y))
+        self.assertEqual(*check_same_as_plain(lambda g: jacrev(vmap(g)), f, f_ref, x, y))
+        self.assertEqual(*check_same_as_plain(lambda g: jacrev(vmap(g), argnums=1), f, f_ref, x, y))
 
     def test_vmap_vmap_grad_and_grad_vmap_vmap(self):
         x, y = randn(2, 3, 4), randn(2, 3, 4)
-        loss = lambda x, y: f(x, y).pow(2).sum()  # noqa: E731
-        ref = lambda x, y: f_ref(x, y).pow(2).sum()  # noqa: E731
-        self.assertEqual(vmap(vmap(grad(loss)))(x, y), vmap(vmap(grad(ref)))(x, y))
+        self.assertEqual(*check_same_as_plain(
+            lambda g: vmap(vmap(grad(lambda x, y: g(x, y).pow(2).sum()))), f, f_ref, x, y
+        ))
         got = self.assertRunsOnce(
             "f", lambda: grad(lambda x: vmap(vmap(f))(x, y).pow(2).sum())(x)
         )
@@ -288,9 +266,8 @@ class TestVmap(TestCase):
 
     def test_hessian_of_vmapped(self):
         x, w = randn(6), randn(3)
-        loss = lambda x: vmap(f, in_dims=(0, None))(x.view(2, 3), w).pow(2).sum()  # noqa: E731
-        ref = lambda x: vmap(f_ref, in_dims=(0, None))(x.view(2, 3), w).pow(2).sum()  # noqa: E731
-        self.assertEqual(jacrev(jacrev(loss))(x), jacrev(jacrev(ref))(x))
+        loss = lambda g: lambda x: vmap(g, in_dims=(0, None))(x.view(2, 3), w).pow(2).sum()  # noqa: E731
+        self.assertEqual(*check_same_as_plain(lambda g: jacrev(jacrev(loss(g))), f, f_ref, x))
 
     def test_backward_of_vmap_on_leaves(self):
         x, y = randn(5, 4), randn(5, 4)
@@ -354,7 +331,7 @@ class TestVmap(TestCase):
 
     def test_loop_mode_values_and_grads(self):
         x = randn(4, 3)
-        self.assertEqual(vmap(looped)(x), loop(looped, x))
+        self.assertEqual(*vmap_equals_loop(looped, 0, x))
         xa = x.clone().requires_grad_()
         vmap(looped)(xa).sum().backward()
         self.assertEqual(xa.grad, 2 * x.sum(-1, keepdim=True).expand_as(x))
@@ -431,9 +408,9 @@ class TestVmap(TestCase):
 
         a, b = randn(4, 3), randn(4, 2)
         got = vmap(lambda a, b: looped_list([a, b], 2.0))(a, b)
-        self.assertEqual(got, loop(lambda a, b: a * b.sum() * 2.0, a, b))
+        self.assertEqual(got, vmap_loop(lambda a, b: a * b.sum() * 2.0, 0, a, b))
         got = vmap(lambda a: looped_list([a, b[0]], 2.0))(a)
-        self.assertEqual(got, loop(lambda a: a * b[0].sum() * 2.0, a))
+        self.assertEqual(got, vmap_loop(lambda a: a * b[0].sum() * 2.0, 0, a))
 
     def test_exception_in_batched_backward_or_jvp_leaves_state_clean(self):
         class MyError(Exception):
@@ -456,7 +433,7 @@ class TestVmap(TestCase):
             torch.func.jvp(vmap(bad), (x,), (x,))
         self.assertIsNone(torch._C._functorch.maybe_current_level())
         self.assertTrue(torch.is_grad_enabled())
-        self.assertEqual(vmap(f)(x, x), loop(f, x, x))
+        self.assertEqual(*vmap_equals_loop(f, 0, x, x))
 
     def test_compile_of_transforms_honours_backward(self):
         # torch.compile(grad(op)) must not bypass the registered (2x) backward.
