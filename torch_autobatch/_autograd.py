@@ -52,10 +52,11 @@ class BackwardContext(FunctionCtx):
     # the C++ node reads them after setup_context, and a class default makes
     # that a plain lookup rather than a failed one (an AttributeError built
     # and dropped per call, NOTE [The Python side of the kernels] in csrc/python_interop.h).
-    to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
-    saved_for_forward: Optional[tuple[Optional[torch.Tensor], ...]] = None
-    non_differentiable: Optional[tuple[torch.Tensor, ...]] = None
-    dirty_tensors: Optional[tuple[torch.Tensor, ...]] = None
+    # (FunctionCtx's annotations omit the None that means "not called".)
+    to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None  # type: ignore[assignment]
+    saved_for_forward: Optional[tuple[Optional[torch.Tensor], ...]] = None  # type: ignore[assignment]
+    non_differentiable: Optional[tuple[torch.Tensor, ...]] = None  # type: ignore[assignment]
+    dirty_tensors: Optional[tuple[torch.Tensor, ...]] = None  # type: ignore[assignment]
     materialize_grads: bool = True
     #: The tensors given to :meth:`save_for_backward`, readable inside the
     #: backward (and jvp) call only, read-only: each call's own, on its own
@@ -75,7 +76,7 @@ class BackwardContext(FunctionCtx):
         Without it, the jvp sees what :meth:`save_for_backward` saved.
         """
         check_saveable("save_for_forward", tensors)
-        super().save_for_forward(*tensors)
+        super().save_for_forward(*tensors)  # type: ignore[arg-type]  # torch takes None too
 
     def __repr__(self) -> str:
         return f"BackwardContext(needs_input_grad={self.needs_input_grad})"

@@ -62,7 +62,8 @@ def check_torch_version(
             f"change between releases, so it must be rebuilt against the running torch: "
             f"{REBUILD} (from the project root)."
         )
-    if TorchVersion(running) >= TORCH_MIN and TorchVersion(running) < TORCH_END:
+    # TorchVersion compares with tuples (torch.torch_version); its stub says str only.
+    if TORCH_MIN <= TorchVersion(running) < TORCH_END:  # type: ignore[operator]
         return
     message = (
         f"torch_autobatch is tested with {TORCH_REQUIREMENT}, but torch {running} is "
@@ -82,7 +83,9 @@ def check_running_torch() -> None:
     import torch
 
     try:
-        from ._build_info import TORCH_VERSION as compiled
+        from ._build_info import TORCH_VERSION
+
+        compiled: Optional[str] = TORCH_VERSION
     except ImportError:
         compiled = None
     check_torch_version(

@@ -218,9 +218,10 @@ def refresh_cache_key(opdef: CustomOpDef) -> None:
     if config is None or opdef not in _ops:
         return
     key = f"torch.ops.{opdef._namespace}.{opdef._name}"
-    marked = dict(config.unsafe_marked_cacheable_functions)
+    # Inductor's config module sets its attributes at import: mypy cannot see them.
+    marked = dict(getattr(config, "unsafe_marked_cacheable_functions"))
     marked[key] = fingerprint(opdef)
-    config.unsafe_marked_cacheable_functions = marked
+    setattr(config, "unsafe_marked_cacheable_functions", marked)
 
 
 def fingerprint(opdef: CustomOpDef) -> str:
@@ -278,9 +279,9 @@ def _describe(obj: Any, depth: int) -> str:
         if len(obj) > _MAX_ITEMS:
             return f"{type(obj).__name__}:{len(obj)}"
         return "[" + ",".join(_describe(v, depth) for v in obj) + "]"
-    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    if isinstance(name, str):  # a class, a builtin, a torch function
-        return f"{getattr(obj, '__module__', '')}.{name}"
+    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if isinstance(qualname, str):  # a class, a builtin, a torch function
+        return f"{getattr(obj, '__module__', '')}.{qualname}"
     text = repr(obj)
     return type(obj).__qualname__ if " at 0x" in text else f"{type(obj).__qualname__}:{text[:256]}"
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import types
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, overload
 
 import torch
@@ -44,7 +45,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 def _user_source() -> str:
     """``file:line`` of the innermost caller outside torch_autobatch and torch (the user's definition)."""
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not (path.startswith(_PACKAGE_DIR + os.sep) or path.startswith(_TORCH_DIR + os.sep)):
@@ -59,7 +60,7 @@ def _undo_registration(qualname: str, op: Any) -> None:
     if extras is not None and extras.registration is not None:
         extras.registration.destroy()
     lib = _torch_custom_ops.OPDEF_TO_LIB.get(qualname)
-    if lib is not None and lib is getattr(op, "_lib", None):
+    if lib is not None and lib is getattr(op, "_lib", object()):
         lib._destroy()
         del _torch_custom_ops.OPDEF_TO_LIB[qualname]
     if _torch_custom_ops.OPDEFS.get(qualname) is op:
@@ -256,7 +257,8 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         return self._opoverload
 
     # ------------------------------------------------------------- registration
-    @overload
+    # torch's returns None; ours returns backward, so it stacks as a decorator.
+    @overload  # type: ignore[override]
     def register_autograd(
         self, backward: F, /, *, setup_context: Optional[Callable[..., Any]] = None
     ) -> F: ...
@@ -266,7 +268,13 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         self, backward: None = None, /, *, setup_context: Optional[Callable[..., Any]] = None
     ) -> Callable[[F], F]: ...
 
-    def register_autograd(self, backward=None, /, *, setup_context=None):
+    def register_autograd(
+        self,
+        backward: Optional[Callable[..., Any]] = None,
+        /,
+        *,
+        setup_context: Optional[Callable[..., Any]] = None,
+    ) -> Any:
         """Registers the op's derivative for reverse mode, as :func:`torch.library.register_autograd`.
 
         ``setup_context(ctx, inputs, output)`` runs after the forward: ``inputs``
@@ -345,10 +353,10 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
             raise TypeError(
                 f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}."
             )
-        result = super().register_fake(fn)
+        super().register_fake(fn)
         self._set_fake_source(_user_source())
         _compile.refresh_cache_key(self)
-        return result
+        return fn
 
     def register_kernel(self, device_types: DeviceTypes, fn: Optional[Callable[..., Any]] = None, /) -> Any:
         """torch.library's ``register_kernel``; the compile cache key follows (NOTE [The compile cache key names the function])."""
@@ -369,7 +377,13 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         self, jvp: None = None, /, *, setup_context: Optional[Callable[..., Any]] = None
     ) -> Callable[[F], F]: ...
 
-    def register_jvp(self, jvp=None, /, *, setup_context=None):
+    def register_jvp(
+        self,
+        jvp: Optional[Callable[..., Any]] = None,
+        /,
+        *,
+        setup_context: Optional[Callable[..., Any]] = None,
+    ) -> Any:
         """Registers the op's derivative for forward mode (``jvp``, ``jacfwd``, dual tensors).
 
         ``jvp(ctx, *input_tangents)`` returns the output tangent(s), one per

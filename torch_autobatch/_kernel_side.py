@@ -82,8 +82,12 @@ class KernelSide:
 
     def _run_vmap_rule(self, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The register_vmap rule on the batched arguments, by torch's helper; one value per return."""
+        # Called by the batched kernel with a vmap level on top, and only
+        # when register_vmap set the rule (VmapMode.rule).
+        interpreter = retrieve_current_functorch_interpreter()
+        assert self._vmap_fn is not None
         out = custom_function_call_vmap_helper(
-            retrieve_current_functorch_interpreter(),
+            interpreter,  # type: ignore[arg-type]  # a VmapInterpreter here
             self._vmap_fn,
             self._opoverload,
             *positional,

@@ -26,7 +26,7 @@ under every transform), ops without a backend kernel.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 from torch._library import custom_ops as _torch_custom_ops
@@ -113,10 +113,11 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
         # torch's pyobj fast path (torch >= 2.14) is for torch's kernels: go
         # through the dispatcher, where ours now are.
         if getattr(opdef._opoverload, "_is_pyobj_dispatcher_enabled", lambda: False)():
-            opdef._opoverload._enable_pyobj_dispatch(False)
+            opdef._opoverload._enable_pyobj_dispatch(False)  # type: ignore[attr-defined]  # torch >= 2.14
         opdef.__class__ = CustomOpDef
-        opdef._install(vmap, compile)
-        return opdef  # type: ignore[return-value]
+        ours = cast(CustomOpDef, opdef)
+        ours._install(vmap, compile)
+        return ours
 
     has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)  # noqa: E731
     if has("CompositeImplicitAutograd"):
