@@ -9,6 +9,7 @@ op's own derivative is taken).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Callable
 
@@ -79,6 +80,41 @@ FORWARD_CASES: dict[str, tuple[Callable, Callable]] = {
     "grad_vmap": (lambda op: grad(lambda x: vmap(op)(x).sum())(X), lambda: forces_2x_grad(X)),
     "jacrev": (lambda op: jacrev(op)(X[0]), lambda: torch.diag(forces_2x_grad(X[0]))),
 }
+
+
+class TestLevelWalkLog(TestCase):
+    """TORCH_AUTOBATCH_LOG_LEVEL_WALK=1 prints what the batched kernel's level walk saw (NOTE [The level walk])."""
+
+    def test_the_log_names_each_level_and_where_nodes_went(self):
+        import subprocess
+        import sys
+        import textwrap
+
+        script = textwrap.dedent(
+            """
+            import torch, torch_autobatch
+            from torch.func import grad, vmap
+            op = torch_autobatch.custom_op("tab_walklog::f", lambda x, w: torch.sin(x) * w, mutates_args=(),
+                                           schema="(Tensor x, Tensor w) -> Tensor")
+            op.register_autograd(lambda ctx, g: (g * 2, g), setup_context=lambda ctx, inputs, output: None)
+            x, w = torch.randn(3, 4), torch.randn(4)
+            grad(lambda w: vmap(op, in_dims=(0, None))(x, w).sum())(w)  # grad outside vmap: a walk
+            vmap(grad(lambda w, x: op(x, w).sum()), in_dims=(None, 0))(w, x)  # grad inside: no walk
+            """
+        )
+        env = {**os.environ, "TORCH_AUTOBATCH_LOG_LEVEL_WALK": "1"}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        log = [line for line in out.stderr.splitlines() if "torch_autobatch" in line or line.startswith("  ")]
+        self.assertExpectedInline(
+            "\n".join(log),
+            """\
+torch_autobatch: level walk of tab_walklog::f:
+  level 2 vmap: batch size 3, input bdims [0, None], output bdims [0]
+  level 1 grad: node attached
+  base: no node
+torch_autobatch: level walk of tab_walklog::f: only vmap levels, no input requires grad or has a tangent: nothing attached""",
+        )
 
 
 class TestTorchFuncInsideTheOp(TestCase):
