@@ -24,15 +24,11 @@
 
 #include "functorch.h"
 #include "python_interop.h"
+#include "torch_internals.h"
 
-#include <ATen/SequenceNumber.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/DynamicTypes.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/flat_hash_map.h>
 #include <c10/util/irange.h>
@@ -49,10 +45,10 @@ namespace torch_autobatch {
 namespace {
 
 namespace py = pybind11;
-using torch::autograd::Node;
-using torch::autograd::variable_list;
+using internals::kAccumulateGradSeq;
+using internals::Node;
+using internals::variable_list;
 
-constexpr uint64_t kAccumulateGradSeq = UINT64_MAX; // AccumulateGrad's sequence_nr
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 using Dims = c10::SmallVector<int64_t, 4>;
 const c10::DispatchKeySet kTransformKeys({c10::DispatchKey::FuncTorchBatched,
@@ -252,7 +248,7 @@ struct ThreadState {
   // at the next op or block exit: NOTE [Nodes attached after the op].
   std::weak_ptr<TraceImpl> recheck_trace;
   std::vector<std::pair<int32_t, WeakImpl>> recheck;
-  at::CallbackHandle handle = 0;
+  internals::CallbackHandle handle = 0;
   // RecordFunction::name() pointer (into the op's schema) -> op
   ska::flat_hash_map<const char*, const OpInfo*> op_cache;
 };
@@ -446,7 +442,7 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
     if (!any) {
       return iv;
     }
-    c10::impl::GenericList list(c10::AnyType::get());
+    auto list = internals::any_list();
     for (const auto j : c10::irange(items.size())) {
       const auto& x = items[j];
       if (x.isTensor() && x.toTensor().defined()) {
@@ -474,7 +470,7 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
   // (torch.autograd.Function.apply's) are found when their output is next
   // used (`use`).
   int32_t tag_new(const c10::intrusive_ptr<Node>& root, uint64_t start_seq) {
-    const auto thread = at::RecordFunction::currentThreadId();
+    const auto thread = internals::current_thread_id();
     int32_t root_index = -1;
     std::vector<Node*> stack{root.get()};
     while (!stack.empty()) {
@@ -548,15 +544,15 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
 // done, whether it returned or raised. Nothing to undo, and untraced nodes
 // run with no callback. The NodeHook holds the trace: a trace lives as long
 // as any node that records into it.
-struct NodeHook final : torch::autograd::FunctionPreHook {
+struct NodeHook final : internals::FunctionPreHook {
   NodeHook(std::shared_ptr<TraceImpl> trace_, int32_t index_)
       : trace(std::move(trace_)), index(index_) {}
 
   variable_list operator()(const variable_list& grads) override {
     auto& s = tls;
     ensure_callback(s);
-    const int64_t task = torch::autograd::get_current_graph_task_id();
-    const auto node = torch::autograd::get_current_node();
+    const int64_t task = internals::current_graph_task_id();
+    const auto node = internals::current_node();
     trace->run_group({task, index, 0}, index, [&] {
       return node ? node->name() : std::string("?");
     });
@@ -587,28 +583,27 @@ struct NodeHook final : torch::autograd::FunctionPreHook {
 // adding it is not safe against another thread running that AccumulateGrad
 // at the same moment (an untraced backward of the same parameters): the
 // first trace to reach a parameter adds it, under a lock of ours only.
-struct AccHook final : torch::autograd::FunctionPreHook {
+struct AccHook final : internals::FunctionPreHook {
   variable_list operator()(const variable_list& grads) override;
 };
 
 std::mutex acc_hook_mutex;
 
 void ensure_acc_hook(Node& n) {
-  if (n.sequence_nr() != kAccumulateGradSeq ||
-      dynamic_cast<torch::autograd::AccumulateGrad*>(&n) == nullptr) {
+  if (!internals::is_accumulate_grad(n)) {
     return;
   }
   std::lock_guard<std::mutex> lock(acc_hook_mutex);
-  for (const auto& h : n.pre_hooks()) {
+  for (const auto& h : internals::pre_hooks(n)) {
     if (typeid(*h) == typeid(AccHook)) {
       return;
     }
   }
-  n.add_pre_hook(std::make_unique<AccHook>());
+  internals::add_pre_hook(n, std::make_unique<AccHook>());
 }
 
 const NodeHook* traced_hook(const Node& n) {
-  for (const auto& h : n.pre_hooks()) {
+  for (const auto& h : internals::pre_hooks(n)) {
     if (typeid(*h) == typeid(NodeHook)) {
       return static_cast<const NodeHook*>(h.get());
     }
@@ -622,7 +617,7 @@ int32_t TraceImpl::index_in_this(const NodeHook* hook) const {
 
 int32_t TraceImpl::tag(Node& n) {
   const auto index = next_node++;
-  n.add_pre_hook(std::make_unique<NodeHook>(shared_from_this(), index));
+  internals::add_pre_hook(n, std::make_unique<NodeHook>(shared_from_this(), index));
   for (const auto& edge : n.next_edges()) {
     if (edge.function) {
       ensure_acc_hook(*edge.function);
@@ -638,21 +633,21 @@ variable_list AccHook::operator()(const variable_list& grads) {
   if (grads.empty() || !grads[0].defined()) {
     return grads;
   }
-  const int64_t task = torch::autograd::get_current_graph_task_id();
+  const int64_t task = internals::current_graph_task_id();
   std::shared_ptr<TraceImpl> trace;
   for (const auto& [t, ref] : s.task_traces) {
     if (t == task) {
       trace = ref.lock();
     }
   }
-  const auto node = torch::autograd::get_current_node();
-  const auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node.get());
-  if (trace == nullptr || acc == nullptr) {
+  const auto node = internals::current_node();
+  const auto* leaf = internals::accumulated_leaf(node.get());
+  if (trace == nullptr || leaf == nullptr) {
     return grads;
   }
   std::lock_guard<std::mutex> lock(trace->mu);
   Entry e{0, nullptr, {}, {}, {}};
-  e.args.push_back(trace->record(c10::IValue(acc->variable), false, 0, e.refs));
+  e.args.push_back(trace->record(c10::IValue(*leaf), false, 0, e.refs));
   e.args.push_back(trace->record(c10::IValue(grads[0]), false, 1, e.refs));
   trace->groups.push_back(Group{trace->pass_of(task), accumulate_grad_name, -1, e.refs[0].value});
   e.group = static_cast<int32_t>(trace->groups.size() - 1);
@@ -723,10 +718,10 @@ void begin_op(ThreadState& s, const at::RecordFunction& fn, const OpInfo* op) {
   recheck_outputs(s);
   std::shared_ptr<TraceImpl> trace;
   int32_t group = 0;
-  const auto node = torch::autograd::get_current_node();
+  const auto node = internals::current_node();
   if (node) {
     const NodeHook* hook = nullptr;
-    for (const auto& h : node->pre_hooks()) {
+    for (const auto& h : internals::pre_hooks(*node)) {
       const auto& type = typeid(*h);
       if (type == typeid(AccHook)) {
         return; // NOTE [AccumulateGrad runs]
@@ -739,7 +734,7 @@ void begin_op(ThreadState& s, const at::RecordFunction& fn, const OpInfo* op) {
     if (hook == nullptr && s.blocks.empty()) {
       return;
     }
-    const int64_t task = torch::autograd::get_current_graph_task_id();
+    const int64_t task = internals::current_graph_task_id();
     if (hook != nullptr) {
       trace = hook->trace;
       group = trace->run_group({task, hook->index, 0}, hook->index, [&] { return node->name(); });
@@ -751,14 +746,14 @@ void begin_op(ThreadState& s, const at::RecordFunction& fn, const OpInfo* op) {
     }
   } else if (!s.blocks.empty()) {
     trace = s.blocks.back();
-    const int64_t task = torch::autograd::get_current_graph_task_id();
+    const int64_t task = internals::current_graph_task_id();
     if (task != -1) { // inside a backward call, but in no node
       group = trace->run_group({task, -1, 0}, -1, [] { return std::string("(engine)"); });
     }
   } else {
     return;
   }
-  s.start_seq = at::sequence_number::peek();
+  s.start_seq = internals::next_sequence_nr();
   s.uncaught = std::uncaught_exceptions();
   s.op = op;
   s.group = group;
@@ -864,23 +859,16 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
 }
 
 bool callback_installed(const ThreadState& s) {
-  if (s.handle == 0) {
-    return false;
-  }
-  for (const auto& entry : at::get_record_function_tls_().sorted_tls_callbacks_) {
-    if (entry.handle_ == s.handle) {
-      return true;
-    }
-  }
-  return false;
+  return s.handle != 0 && internals::thread_local_callback_installed(s.handle);
 }
 
 void ensure_callback(ThreadState& s) {
   if (!callback_installed(s)) {
-    s.handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_start, on_end)
-                                              .needsInputs(true)
-                                              .needsOutputs(true)
-                                              .scopes({at::RecordScope::FUNCTION}));
+    s.handle = internals::add_thread_local_callback(
+        at::RecordFunctionCallback(on_start, on_end)
+            .needsInputs(true)
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
   }
 }
 
@@ -903,16 +891,16 @@ void pop_block(const std::shared_ptr<TraceImpl>& trace) {
   if (!s.blocks.empty() || !callback_installed(s)) {
     return;
   }
-  const auto node = torch::autograd::get_current_node();
+  const auto node = internals::current_node();
   if (node && traced_hook(*node) != nullptr) {
     return; // the engine removes it when the node is done
   }
-  at::removeCallback(s.handle);
+  internals::remove_callback(s.handle);
   s.handle = 0;
 }
 
 std::shared_ptr<TraceImpl> current_trace() {
-  const auto node = torch::autograd::get_current_node();
+  const auto node = internals::current_node();
   if (node) {
     if (const auto* hook = traced_hook(*node)) {
       return hook->trace;
@@ -938,9 +926,10 @@ py::object opt_index(int32_t i) {
 }
 
 // An argument (or return) as the op's function sees it: NOTE [Op values
-// reach Python by their schema type] (python_interop.h).
+// reach Python by their schema type] (python_interop.h). With no schema
+// argument, by the value alone.
 py::object arg_to_py(const c10::IValue& iv, const c10::Argument* arg) {
-  return arg == nullptr ? torch::jit::toPyObject(iv) : to_py(iv, *arg->real_type());
+  return to_py(iv, arg == nullptr ? *c10::AnyType::get() : *arg->real_type());
 }
 
 } // namespace
