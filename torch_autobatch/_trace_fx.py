@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
 
-from ._tracer import _ACCUMULATE, _ARGS, _FUNC, _GROUP, _KWARGS, _OUTS, Trace, _Tensor, _Value
+from ._trace_record import _ACCUMULATE, _ARGS, _FUNC, _GROUP, _KWARGS, _OUTS, _Input, _Tensor, _Value
 
 __all__ = ["TraceGraphs", "build_graphs"]
 
@@ -157,33 +157,34 @@ def _uses(entry: list[Any]) -> Iterator[_Value]:
     return _values_in((entry[_ARGS:], tuple(entry[_KWARGS].values())))
 
 
-def build_graphs(trace: Trace) -> TraceGraphs:
+def build_graphs(entries: Sequence[list[Any]], inputs: Sequence[_Input]) -> TraceGraphs:
+    """The modules that replay a trace's ``entries``; ``inputs``: the trace's inputs."""
     # Segments: maximal runs of entries of one pass (forward = pass 0), in order.
     segments: list[tuple[int, list[list[Any]]]] = [(0, [])]
-    for e in list(trace._entries):
+    for e in list(entries):
         if e[_GROUP].pass_no != segments[-1][0]:
             segments.append((e[_GROUP].pass_no, []))
         segments[-1][1].append(e)
 
     made: dict[_Value, int] = {}  # value -> segment that makes it
     last_use: dict[_Value, int] = {}  # value -> last segment that uses it
-    for s, (_, entries) in enumerate(segments):
-        for e in entries:
+    for s, (_, segment) in enumerate(segments):
+        for e in segment:
             for v in _uses(e):
                 last_use[v] = s
             for v in _values_in(e[_OUTS]):
                 made[v] = s
 
     modules = []
-    for s, (pass_no, entries) in enumerate(segments):
+    for s, (pass_no, segment) in enumerate(segments):
         graph = torch.fx.Graph()
         nodes: dict[_Value, torch.fx.Node] = {}
-        inputs: list[_Value] = []
-        for e in entries:
+        placeholders: list[_Value] = []
+        for e in segment:
             for v in _uses(e):
                 if made.get(v) != s and v not in nodes:
                     nodes[v] = graph.placeholder(_fx_name(str(v)))
-                    inputs.append(v)
+                    placeholders.append(v)
 
         def fx(a: Any) -> Any:
             if isinstance(a, _Value):
@@ -193,7 +194,7 @@ def build_graphs(trace: Trace) -> TraceGraphs:
             return a
 
         results: dict[str, torch.fx.Node] = {}
-        for e in entries:
+        for e in segment:
             func, outs = e[_FUNC], e[_OUTS]
             if func is _ACCUMULATE:  # two runs in one module (threads): their sum
                 key, grad = f"{e[_ARGS]}.grad", nodes[e[-1]]
@@ -222,7 +223,7 @@ def build_graphs(trace: Trace) -> TraceGraphs:
             torch.nn.Module(), graph,
             class_name="TraceForward" if pass_no == 0 else f"TraceBackward{pass_no}",
         )
-        gm.input_names = tuple(str(v) for v in inputs)  # type: ignore[assignment]
+        gm.input_names = tuple(str(v) for v in placeholders)  # type: ignore[assignment]
         gm.pass_no = pass_no  # type: ignore[assignment]
         modules.append(gm)
-    return TraceGraphs(modules, {str(v): v for v in trace._inputs})
+    return TraceGraphs(modules, {str(v): v for v in inputs})
