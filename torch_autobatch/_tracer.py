@@ -57,7 +57,7 @@ import torch
 
 from . import _C
 from ._trace_fx import TraceGraphs, build_graphs
-from ._trace_record import _ACCUMULATE, _ARGS, _FUNC, _GROUP, _KWARGS, _OUTS, _Tensor, _Value, read_record
+from ._trace_record import _ACCUMULATE, _Entry, _Tensor, _Value, read_record
 
 __all__ = ["Trace", "current_trace", "trace"]
 
@@ -198,7 +198,7 @@ class Trace:
 
     def __repr__(self) -> str:
         self._snapshot()
-        fwd = sum(1 for e in self._entries if e[_GROUP].pass_no == 0)
+        fwd = sum(1 for e in self._entries if e.group.pass_no == 0)
         passes = len({g.pass_no for g in self._groups} - {0})
         return (
             f"<torch_autobatch.Trace: {len(self._inputs)} inputs, {fwd} forward ops, "
@@ -214,7 +214,7 @@ class Trace:
         lines.append("forward:")
         current_pass, current_group = 0, self._groups[0]
         for entry in self._entries:
-            group = entry[_GROUP]
+            group = entry.group
             if group is not current_group:
                 if group.pass_no != current_pass:
                     current_pass = group.pass_no
@@ -262,8 +262,8 @@ def _format_arg(a: Any) -> str:
     return str(a) if isinstance(a, _Value) else repr(a)
 
 
-def _format_entry(entry: list[Any]) -> str:
-    func, kwargs, outs, args = entry[_FUNC], entry[_KWARGS], entry[_OUTS], entry[_ARGS:]
+def _format_entry(entry: _Entry) -> str:
+    func, kwargs, outs, args = entry.func, entry.kwargs, entry.outs, entry.args
     if func is _ACCUMULATE:
         return f"{args[0]}.grad += {args[1]}"
     parts = [_format_arg(a) for a in args] + [f"{k}={_format_arg(a)}" for k, a in kwargs.items()]
