@@ -119,7 +119,7 @@ def distinct_addresses(traced: bool, n: int = 30) -> int:
 
     Untraced, the allocator reuses a few. A record that keeps a small heap
     block per op splits the freed block, and each new temporary needs fresh
-    memory (about ``n``): NOTE [The record allocates little] in csrc/tracer.cpp.
+    memory (about ``n``): NOTE [The record allocates little] in csrc/trace_record.h.
     """
     a = torch.ones(1024, 1024)
     seen = set()

@@ -1,6 +1,9 @@
-// torch_autobatch.trace's recorder (csrc/tracer.cpp): C++, so that recording
-// an op costs no trip into Python. The Python layer (torch_autobatch/_tracer.py)
-// names, lists and replays what it recorded.
+// torch_autobatch.trace's recorder: C++, so that recording an op costs no trip
+// into Python. The Python layer (torch_autobatch/_tracer.py) names, lists and
+// replays what it recorded. The recorder's files: trace_record.h (what they
+// share), trace_record.cpp, trace_hooks.cpp, trace_observer.cpp,
+// trace_bindings.cpp (this function), torch_internals.h (the torch internals
+// they use).
 #pragma once
 
 #include <pybind11/pybind11.h>

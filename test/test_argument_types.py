@@ -290,8 +290,8 @@ class TestArgumentTypes(TestCase):
         with torch_autobatch.trace() as t:
             rec.op(_x(), *args, **kwargs)
         t._snapshot()
-        (entry,) = [e for e in t._entries if e[1] is rec.op.opoverload]
-        pos_args, kw = entry[4:], entry[2]
+        (entry,) = [e for e in t._entries if e.func is rec.op.opoverload]
+        pos_args, kw = entry.args, entry.kwargs
         if "a" not in kw and len(pos_args) < 2:
             self.assertIsNotNone(_BY_ID[case_id][3], msg="only a default may be left out")
             return

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
 
-from ._tracer import _ACCUMULATE, _ARGS, _FUNC, _GROUP, _KWARGS, _OUTS, Trace, _Tensor, _Value
+from ._trace_record import _ACCUMULATE, _Entry, _Input, _Tensor, _Value
 
 __all__ = ["TraceGraphs", "build_graphs"]
 
@@ -150,40 +150,41 @@ def _values_in(a: Any) -> Iterator[_Value]:
             yield from _values_in(x)
 
 
-def _uses(entry: list[Any]) -> Iterator[_Value]:
+def _uses(entry: _Entry) -> Iterator[_Value]:
     """The values an entry reads (an AccumulateGrad line reads its gradient, not its leaf)."""
-    if entry[_FUNC] is _ACCUMULATE:
-        return iter((entry[-1],))
-    return _values_in((entry[_ARGS:], tuple(entry[_KWARGS].values())))
+    if entry.func is _ACCUMULATE:
+        return iter((entry.args[-1],))
+    return _values_in((entry.args, tuple(entry.kwargs.values())))
 
 
-def build_graphs(trace: Trace) -> TraceGraphs:
+def build_graphs(entries: Sequence[_Entry], inputs: Sequence[_Input]) -> TraceGraphs:
+    """The modules that replay a trace's ``entries``; ``inputs``: the trace's inputs."""
     # Segments: maximal runs of entries of one pass (forward = pass 0), in order.
-    segments: list[tuple[int, list[list[Any]]]] = [(0, [])]
-    for e in list(trace._entries):
-        if e[_GROUP].pass_no != segments[-1][0]:
-            segments.append((e[_GROUP].pass_no, []))
+    segments: list[tuple[int, list[_Entry]]] = [(0, [])]
+    for e in list(entries):
+        if e.group.pass_no != segments[-1][0]:
+            segments.append((e.group.pass_no, []))
         segments[-1][1].append(e)
 
     made: dict[_Value, int] = {}  # value -> segment that makes it
     last_use: dict[_Value, int] = {}  # value -> last segment that uses it
-    for s, (_, entries) in enumerate(segments):
-        for e in entries:
+    for s, (_, segment) in enumerate(segments):
+        for e in segment:
             for v in _uses(e):
                 last_use[v] = s
-            for v in _values_in(e[_OUTS]):
+            for v in _values_in(e.outs):
                 made[v] = s
 
     modules = []
-    for s, (pass_no, entries) in enumerate(segments):
+    for s, (pass_no, segment) in enumerate(segments):
         graph = torch.fx.Graph()
         nodes: dict[_Value, torch.fx.Node] = {}
-        inputs: list[_Value] = []
-        for e in entries:
+        placeholders: list[_Value] = []
+        for e in segment:
             for v in _uses(e):
                 if made.get(v) != s and v not in nodes:
                     nodes[v] = graph.placeholder(_fx_name(str(v)))
-                    inputs.append(v)
+                    placeholders.append(v)
 
         def fx(a: Any) -> Any:
             if isinstance(a, _Value):
@@ -193,18 +194,18 @@ def build_graphs(trace: Trace) -> TraceGraphs:
             return a
 
         results: dict[str, torch.fx.Node] = {}
-        for e in entries:
-            func, outs = e[_FUNC], e[_OUTS]
+        for e in segment:
+            func, outs = e.func, e.outs
             if func is _ACCUMULATE:  # two runs in one module (threads): their sum
-                key, grad = f"{e[_ARGS]}.grad", nodes[e[-1]]
+                key, grad = f"{e.args[0]}.grad", nodes[e.args[-1]]
                 prev = results.get(key)
                 results[key] = grad if prev is None else graph.call_function(
                     operator.add, (prev, grad))
                 continue
             name = _fx_name(str(outs)) if type(outs) is _Value else None
             node = graph.create_node(
-                "call_function", func, tuple(fx(e[_ARGS:])),
-                {k: fx(a) for k, a in e[_KWARGS].items()}, name=name,
+                "call_function", func, tuple(fx(e.args)),
+                {k: fx(a) for k, a in e.kwargs.items()}, name=name,
             )
             if type(outs) is _Value:
                 nodes[outs] = node
@@ -222,7 +223,7 @@ def build_graphs(trace: Trace) -> TraceGraphs:
             torch.nn.Module(), graph,
             class_name="TraceForward" if pass_no == 0 else f"TraceBackward{pass_no}",
         )
-        gm.input_names = tuple(str(v) for v in inputs)  # type: ignore[assignment]
+        gm.input_names = tuple(str(v) for v in placeholders)  # type: ignore[assignment]
         gm.pass_no = pass_no  # type: ignore[assignment]
         modules.append(gm)
-    return TraceGraphs(modules, {str(v): v for v in trace._inputs})
+    return TraceGraphs(modules, {str(v): v for v in inputs})

@@ -9,13 +9,14 @@ Public API (exported from ``torch_autobatch``):
 - :class:`Trace` — the recording: ``print(t)`` lists it, ``t.to_fx()`` makes
   :class:`torch.fx.GraphModule` s that replay it (:class:`TraceGraphs`).
 
-The recorder is C++ (``csrc/tracer.cpp``): a thread-local ``RecordFunction``
+The recorder is C++ (``csrc/trace_*.cpp``): a thread-local ``RecordFunction``
 observer sees each op with its inputs and outputs, and a C++ pre-hook on each
 autograd node a traced op created makes that node's backward record into the
 same trace (see the NOTEs there: [How the recorder sees ops], [Which trace
-records an op], [How a node records its backward], [Finding the nodes an op
-created], [AccumulateGrad runs]). This module names, lists and replays what
-it recorded; nothing here runs per op.
+records an op] in trace_observer.cpp; [How a node records its backward],
+[Finding the nodes an op created], [AccumulateGrad runs] in trace_hooks.cpp).
+This module names and lists what it recorded (the record's Python types:
+:mod:`._trace_record`; the replay: :mod:`._trace_fx`); nothing here runs per op.
 
 Known limits:
 
@@ -50,130 +51,15 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
 from . import _C
+from ._trace_fx import TraceGraphs, build_graphs
+from ._trace_record import _ACCUMULATE, _Entry, _Tensor, _Value, read_record
 
 __all__ = ["Trace", "current_trace", "trace"]
-
-_Tensor = torch.Tensor
-
-if TYPE_CHECKING:
-    from ._trace_fx import TraceGraphs
-
-
-class _Value:
-    """One recorded tensor value, as the listing and ``to_fx`` see it.
-
-    Values are SSA: an in-place op's output is a new value of the same tensor.
-    ``num >= 0``: the output numbered ``num`` (``%num``); ``num < 0``: an input
-    (:class:`_Input`). ``node``: the index of the traced autograd node that is
-    the tensor's grad_fn, or None. Compared and hashed by identity.
-    """
-
-    __slots__ = ("num", "shape", "dtype", "node")
-
-    def __str__(self) -> str:
-        return f"%{self.num}"
-
-    __repr__ = __str__
-
-
-class _Input(_Value):
-    """A tensor that no recorded op made; calling it gives the tensor, or None if freed."""
-
-    __slots__ = ("name", "requires_grad", "_get")
-
-    def __str__(self) -> str:
-        return self.name
-
-    def __call__(self) -> Optional[_Tensor]:
-        return self._get()
-
-
-class _Group:
-    """The header recorded ops are listed under: the forward, or one run of one node."""
-
-    __slots__ = ("pass_no", "name", "index")
-
-    def __init__(self, pass_no: int, name: str, index: Any = None) -> None:
-        self.pass_no = pass_no  # 0: forward; k: the k-th backward call that ran this trace
-        self.name = name
-        self.index = index  # a traced node's index in the trace, or an AccumulateGrad's leaf
-
-    @property
-    def label(self) -> str:
-        if self.index is None:
-            return self.name
-        if isinstance(self.index, _Value):
-            return f"{self.name} ({self.index})"
-        return f"{self.name} (node {self.index})"
-
-
-class _Accumulate:
-    """The pseudo-op of an ``AccumulateGrad`` run: ``leaf.grad += grad``."""
-
-    def __repr__(self) -> str:
-        return "accumulate_grad"
-
-
-_ACCUMULATE = _Accumulate()
-
-# An entry of Trace._entries is one list: [group, func, kwargs, outputs, *args].
-_GROUP, _FUNC, _KWARGS, _OUTS, _ARGS = 0, 1, 2, 3, 4
-_EMPTY: dict[str, Any] = {}  # shared "no kwargs"; never mutated
-
-
-class _OpInfo:
-    """An op the recorder saw: its ``OpOverload`` and how to split its arguments."""
-
-    __slots__ = ("func", "kwarg_only", "defaults")
-
-    _by_id: dict[int, "_OpInfo"] = {}
-
-    def __init__(self, op_id: int) -> None:
-        qualname, overload = _C._op_name(op_id)
-        ns, name = qualname.split("::", 1)
-        packet = getattr(getattr(torch.ops, ns), name)
-        self.func = getattr(packet, overload or "default")
-        args = self.func._schema.arguments
-        self.kwarg_only = [a.name if a.kwarg_only else None for a in args]
-        self.defaults = [(True, a.default_value) if a.has_default_value() else (False, None)
-                         for a in args]
-
-    @classmethod
-    def of(cls, op_id: int) -> "_OpInfo":
-        info = cls._by_id.get(op_id)
-        if info is None:
-            info = cls._by_id[op_id] = cls(op_id)
-        return info
-
-    def split(self, args: list[Any]) -> tuple[list[Any], dict[str, Any]]:
-        """Schema-ordered ``args`` -> (positional, kwargs), leaving out defaults as a caller would."""
-        pos, kwargs = [], {}
-        for a, kw, (has_default, default) in zip(args, self.kwarg_only, self.defaults):
-            if kw is None:
-                pos.append(a)
-            elif not (has_default and _same(a, default)):
-                kwargs[kw] = a
-        n = len(pos)
-        while n and self.defaults[n - 1][0] and _same(pos[n - 1], self.defaults[n - 1][1]):
-            n -= 1
-        return pos[:n], kwargs or _EMPTY
-
-
-def _same(a: Any, default: Any) -> bool:
-    if isinstance(a, _Value) or type(a) is not type(default) and not (
-        isinstance(a, (int, float)) and isinstance(default, (int, float))
-    ):
-        return a is default
-    try:
-        return bool(a == default)
-    except Exception:
-        return False
-
 
 _DTYPE_ABBR = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -262,40 +148,7 @@ class Trace:
         version = impl.version
         if version == self._snapshot_version:
             return
-        raw_values, raw_inputs, raw_groups, raw_entries = impl.snapshot()
-        values: list[_Value] = []
-        for num, shape, dtype, node in raw_values:
-            v = _Input() if num < 0 else _Value()
-            v.num, v.shape, v.dtype, v.node = num, shape, dtype, node
-            values.append(v)
-        inputs = []
-        for k, (value, name, requires_grad) in enumerate(raw_inputs):
-            v = values[value]
-            v.name, v.requires_grad = name, requires_grad
-            v._get = _input_getter(impl, k)
-            inputs.append(v)
-        groups = [_Group(p, name, node if value is None else values[value])
-                  for p, name, node, value in raw_groups]
-        entries = []
-        for group, op_id, args, outs, refs in raw_entries:
-            for out, pos, elem, value in refs:
-                where = outs if out else args
-                if elem < 0:
-                    where[pos] = values[value]
-                else:
-                    where[pos][elem] = values[value]
-            if op_id < 0:
-                entries.append([groups[group], _ACCUMULATE, _EMPTY, None, *args])
-                continue
-            info = _OpInfo.of(op_id)
-            pos_args, kwargs = info.split(args)
-            if len(outs) == 1:
-                o = outs[0]
-                out_value = tuple(o) if type(o) is list else o
-            else:
-                out_value = tuple(outs) if outs else None
-            entries.append([groups[group], info.func, kwargs, out_value, *pos_args])
-        self._values, self._inputs, self._groups, self._entries = values, inputs, groups, entries
+        self._values, self._inputs, self._groups, self._entries = read_record(impl)
         self._snapshot_version = version
 
     # ----------------------------------------------------------------- public
@@ -345,7 +198,7 @@ class Trace:
 
     def __repr__(self) -> str:
         self._snapshot()
-        fwd = sum(1 for e in self._entries if e[_GROUP].pass_no == 0)
+        fwd = sum(1 for e in self._entries if e.group.pass_no == 0)
         passes = len({g.pass_no for g in self._groups} - {0})
         return (
             f"<torch_autobatch.Trace: {len(self._inputs)} inputs, {fwd} forward ops, "
@@ -361,7 +214,7 @@ class Trace:
         lines.append("forward:")
         current_pass, current_group = 0, self._groups[0]
         for entry in self._entries:
-            group = entry[_GROUP]
+            group = entry.group
             if group is not current_group:
                 if group.pass_no != current_pass:
                     current_pass = group.pass_no
@@ -387,8 +240,6 @@ class Trace:
             >>> torch.equal(graphs.forward(x)[t.name_of(y)], y)
             True
         """
-        from ._trace_fx import build_graphs
-
         if self._impl.saw_transform:
             raise RuntimeError(
                 "Trace.to_fx: this trace recorded ops that ran inside a torch.func transform "
@@ -398,21 +249,11 @@ class Trace:
                 "without transforms to replay."
             )
         self._snapshot()
-        return build_graphs(self)
+        return build_graphs(self._entries, self._inputs)
 
 
 # record id -> the Trace object showing it, while someone holds that object
 _traces: "weakref.WeakValueDictionary[int, Trace]" = weakref.WeakValueDictionary()
-
-
-def _input_getter(impl: Any, k: int) -> Callable[[], Optional[_Tensor]]:
-    ref = weakref.ref(impl)
-
-    def get() -> Optional[_Tensor]:
-        alive = ref()
-        return None if alive is None else alive.input_tensor(k)
-
-    return get
 
 
 def _format_arg(a: Any) -> str:
@@ -421,8 +262,8 @@ def _format_arg(a: Any) -> str:
     return str(a) if isinstance(a, _Value) else repr(a)
 
 
-def _format_entry(entry: list[Any]) -> str:
-    func, kwargs, outs, args = entry[_FUNC], entry[_KWARGS], entry[_OUTS], entry[_ARGS:]
+def _format_entry(entry: _Entry) -> str:
+    func, kwargs, outs, args = entry.func, entry.kwargs, entry.outs, entry.args
     if func is _ACCUMULATE:
         return f"{args[0]}.grad += {args[1]}"
     parts = [_format_arg(a) for a in args] + [f"{k}={_format_arg(a)}" for k, a in kwargs.items()]
