@@ -48,16 +48,23 @@ def _run_group(group: str, pythonpath: Optional[Path], quick: bool, out: Path) -
 def _label(pythonpath: Optional[Path]) -> str:
     code = "import torch_autobatch, os; print(os.path.dirname(torch_autobatch.__file__))"
     env = dict(os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {}))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=tempfile.gettempdir(), check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tempfile.gettempdir(), check=True
+    ).stdout.strip()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, required=True,
-                        help="a checkout of the earlier commit, its extension built in place")
-    parser.add_argument("--only", nargs="+", choices=list(run.GROUPS), default=["overhead", "vmap"],
-                        help="groups to compare (default: overhead vmap)")
+    parser.add_argument(
+        "--before", type=Path, required=True, help="a checkout of the earlier commit, its extension built in place"
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(run.GROUPS),
+        default=["overhead", "vmap"],
+        help="groups to compare (default: overhead vmap)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs per build and group (default 2)")
     parser.add_argument("--quick", action="store_true", help="run.py's quick timing")
     args = parser.parse_args(argv)
@@ -76,8 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     for row in res["rows"]:
                         ratio = run.ratio_to_plain(row["cells"])
                         if ratio is not None:
-                            ratios.setdefault(group, {}).setdefault(row["key"], {}).setdefault(
-                                name, []).append(ratio)
+                            ratios.setdefault(group, {}).setdefault(row["key"], {}).setdefault(name, []).append(ratio)
                     print(f"  repeat {r + 1}/{args.repeats}  {group:<20} {name}", flush=True)
 
     print("\n| group | row | before (ours / plain) | after (ours / plain) |")

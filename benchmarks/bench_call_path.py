@@ -74,11 +74,12 @@ def main() -> None:
         "5. torch.library.custom_op": theirs,
     }
     for title, a in (("inputs need no grad", x), ("x requires grad (forward only)", xr)):
-        timers = {k: tbench.Timer("f(a, y)", globals={"f": f, "a": a, "y": y}, num_threads=1)
-                  for k, f in layers.items()}
+        timers = {
+            k: tbench.Timer("f(a, y)", globals={"f": f, "a": a, "y": y}, num_threads=1) for k, f in layers.items()
+        }
         times: dict[str, list[float]] = {k: [] for k in layers}
         for r in range(args.rounds):
-            order = list(layers)[r % len(layers):] + list(layers)[:r % len(layers)]
+            order = list(layers)[r % len(layers) :] + list(layers)[: r % len(layers)]
             for k in order:
                 times[k].append(timers[k].blocked_autorange(min_run_time=args.min_run_time).median)
         print(f"\n{title} (torch {torch.__version__}, µs per call, median of {args.rounds} rounds)")
@@ -86,6 +87,7 @@ def main() -> None:
         for k in layers:
             us = statistics.median(times[k]) * 1e6
             print(f"  {k:<42} {us:7.1f}  (+{us - plain:.1f} over the plain function)")
+
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,7 @@ import json
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,9 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_autobatch
 
 # The public name once torch_autobatch/__init__.py exports it.
-trace = getattr(torch_autobatch, "trace", None) or __import__(
-    "torch_autobatch._tracer", fromlist=["trace"]
-).trace
+trace = getattr(torch_autobatch, "trace", None) or __import__("torch_autobatch._tracer", fromlist=["trace"]).trace
 
 TARGETS = {"small": 2.5, "large": 1.05}
 MODELS = {
@@ -108,10 +106,7 @@ def measure(name: str, n: int, warmup: int) -> dict[str, dict[str, float]]:
             if i >= warmup:
                 wall[k].append(w1 - w0)
                 cpu[k].append(c1 - c0)
-    return {
-        k: {"wall_us": statistics.median(wall[k]) * 1e6, "cpu_us": statistics.median(cpu[k]) * 1e6}
-        for k in fns
-    }
+    return {k: {"wall_us": statistics.median(wall[k]) * 1e6, "cpu_us": statistics.median(cpu[k]) * 1e6} for k in fns}
 
 
 def distinct_addresses(traced: bool, n: int = 30) -> int:
@@ -142,10 +137,14 @@ def main() -> None:
         "small": measure("small", args.steps_small, warmup=50),
         "large": measure("large", args.steps_large, warmup=5),
     }
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"torch.set_num_threads(1); medians of {args.steps_small} / {args.steps_large} steps\n")
-    print("| model | batch | untraced (us) | traced (us) | traced / untraced (wall) "
-          "| same, CPU time | target | met | pass-through mode / untraced |")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"torch.set_num_threads(1); medians of {args.steps_small} / {args.steps_large} steps\n"
+    )
+    print(
+        "| model | batch | untraced (us) | traced (us) | traced / untraced (wall) "
+        "| same, CPU time | target | met | pass-through mode / untraced |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         sizes, batch = MODELS[name]
@@ -155,13 +154,17 @@ def main() -> None:
         floor = r["pass_through"]["wall_us"] / base["wall_us"]
         r["ratio_wall"], r["ratio_cpu"], r["ratio_pass_through"] = ratio, ratio_cpu, floor
         met = "yes" if ratio <= TARGETS[name] else "no"
-        print(f"| {'-'.join(map(str, sizes))} | {batch} | {base['wall_us']:.0f} "
-              f"| {r['traced']['wall_us']:.0f} | {ratio:.2f}x | {ratio_cpu:.2f}x "
-              f"| <= {TARGETS[name]}x | {met} | {floor:.2f}x |")
+        print(
+            f"| {'-'.join(map(str, sizes))} | {batch} | {base['wall_us']:.0f} "
+            f"| {r['traced']['wall_us']:.0f} | {ratio:.2f}x | {ratio_cpu:.2f}x "
+            f"| <= {TARGETS[name]}x | {met} | {floor:.2f}x |"
+        )
     reuse = {"untraced": distinct_addresses(False), "traced": distinct_addresses(True)}
     results["distinct_addresses_of_30_temporaries"] = reuse
-    print(f"\nA 4 MB temporary freed and remade 30 times: {reuse['traced']} distinct addresses "
-          f"traced, {reuse['untraced']} untraced.")
+    print(
+        f"\nA 4 MB temporary freed and remade 30 times: {reuse['traced']} distinct addresses "
+        f"traced, {reuse['untraced']} untraced."
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

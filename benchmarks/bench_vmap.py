@@ -34,7 +34,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.utils.benchmark as tbench
@@ -168,6 +169,7 @@ def f_tab(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 f_tab.register_autograd(_backward, setup_context=_setup_context)
+
 
 # (tf) the same with an explicit fake kernel (torch.compile's "slower with
 # register_fake" question), and fake kernels for torch.library's ops, which
@@ -377,9 +379,7 @@ def bench_vmap_forward(sizes, mrt, slow_s) -> list[dict]:
         calls_all = {}
         for v in VARIANTS:
             op = OPS[v]
-            row[v], calls = measure_cell(
-                v, lambda op=op: (lambda: vmap(op)(X, Y)), expected, mrt, slow_s
-            )
+            row[v], calls = measure_cell(v, lambda op=op: lambda: vmap(op)(X, Y), expected, mrt, slow_s)
             calls_all[v] = calls
         row["t body calls"] = calls_label(calls_all["t"], bsz)
         row["body_calls"] = calls_all
@@ -403,8 +403,7 @@ def bench_vmap_grad(sizes, argnums, mrt, slow_s) -> list[dict]:
             op = OPS[v]
 
             def make(op=op):
-                per_sample = vmap(grad(lambda x, w: op(x, w).sum(), argnums=argnums),
-                                  in_dims=(0, None))
+                per_sample = vmap(grad(lambda x, w: op(x, w).sum(), argnums=argnums), in_dims=(0, None))
                 return lambda: per_sample(X, w)
 
             row[v], calls = measure_cell(v, make, expected, mrt, slow_s)
@@ -424,7 +423,7 @@ def bench_unbatched(mrt, slow_s) -> list[dict]:
     row: dict[str, Any] = {"key": "op(x, y), no grad"}
     for v in VARIANTS:
         op = OPS[v]
-        row[v], _ = measure_cell(v, lambda op=op: (lambda: op(x, y)), expected, mrt, slow_s)
+        row[v], _ = measure_cell(v, lambda op=op: lambda: op(x, y), expected, mrt, slow_s)
     rows.append(row)
 
     row = {"key": "op(x, y).sum().backward()"}
@@ -451,8 +450,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="B in {1, 100, 1000}, shorter timing")
     p.add_argument("--json", metavar="PATH", help="also write the tables as JSON to PATH")
-    p.add_argument("--min-run-time", type=float, default=None,
-                   help="seconds per cell for blocked_autorange (default 0.5, --quick 0.1)")
+    p.add_argument(
+        "--min-run-time",
+        type=float,
+        default=None,
+        help="seconds per cell for blocked_autorange (default 0.5, --quick 0.1)",
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -468,27 +471,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     t_start = time.perf_counter()
     print("# torch_autobatch vmap benchmark")
     print()
-    print(f"- torch {torch.__version__}, torch_autobatch {torch_autobatch.__version__}, "
-          f"Python {platform.python_version()}")
+    print(
+        f"- torch {torch.__version__}, torch_autobatch {torch_autobatch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
     print(f"- torch.get_num_threads() = {torch.get_num_threads()}, os.cpu_count() = {os.cpu_count()}")
     print(f"- op: f(x, y) = sin(x) * y + x.sum(-1, keepdim=True), x, y: ({D},) {DTYPE} per example")
-    print(f"- mode: {'quick' if args.quick else 'full'}, B in {sizes}, min_run_time = {mrt}s; "
-          f"calls slower than {slow_s * 1e3:.0f} ms: median of <= 5 single calls (>= 1)")
+    print(
+        f"- mode: {'quick' if args.quick else 'full'}, B in {sizes}, min_run_time = {mrt}s; "
+        f"calls slower than {slow_s * 1e3:.0f} ms: median of <= 5 single calls (>= 1)"
+    )
     print("- cells: median microseconds per call; FAIL = raised or wrong answer")
     print("- NOTE: medians are noisy on a shared 2-core machine; treat differences < ~20% as noise.")
     for v in VARIANTS:
         print(f"- ({v}) {VARIANT_DESC[v]}")
     notes, info = sanity_checks()
-    print("- unbatched correctness checks (forward + .backward() for all, jvp for c): "
-          + ("all pass" if not notes else "; ".join(notes)))
+    print(
+        "- unbatched correctness checks (forward + .backward() for all, jvp for c): "
+        + ("all pass" if not notes else "; ".join(notes))
+    )
     for line in info:
         print(f"- {line}")
     sys.stdout.flush()
 
     tables: dict[str, list[dict]] = {}
     tables["1. vmap(op)(X, Y) forward"] = bench_vmap_forward(sizes, mrt, slow_s)
-    print_table("1. vmap(op)(X, Y) forward", "B", tables["1. vmap(op)(X, Y) forward"],
-                ["t body calls"])
+    print_table("1. vmap(op)(X, Y) forward", "B", tables["1. vmap(op)(X, Y) forward"], ["t body calls"])
     key = "2a. vmap(grad(loss, argnums=0), in_dims=(0, None))(X, w): per-sample grad wrt x"
     tables[key] = bench_vmap_grad(sizes, 0, mrt, slow_s)
     print_table(key, "B", tables[key], ["t body calls"])
@@ -506,8 +514,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         parts = []
         for row in rows:
             bc = row["body_calls"]
-            parts.append(f"B={row['key']}: " + ", ".join(
-                f"{v}={bc[v] if bc[v] is not None else '-'}" for v in VARIANTS))
+            parts.append(
+                f"B={row['key']}: " + ", ".join(f"{v}={bc[v] if bc[v] is not None else '-'}" for v in VARIANTS)
+            )
         print(f"- {name.split(':')[0].split(' ')[0]} " + "; ".join(parts))
     if FAIL_FOOTNOTES:
         print("\nFAIL cells, full messages:")

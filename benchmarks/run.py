@@ -41,8 +41,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.utils.benchmark as tbench
@@ -77,7 +78,7 @@ class Config:
     rounds: int
 
     @staticmethod
-    def make(quick: bool, threads: int) -> "Config":
+    def make(quick: bool, threads: int) -> Config:
         if quick:
             return Config(quick=True, threads=threads, min_run_time=0.04, rounds=3)
         return Config(quick=False, threads=threads, min_run_time=0.5, rounds=7)
@@ -207,43 +208,76 @@ class Group:
 GROUPS: dict[str, Group] = {
     g.name: g
     for g in [
-        Group("vmap", "`vmap(op)(X, Y)`",
-              "X, Y: (B, 64). custom_op's vmap is torch's per-example loop; + `register_vmap` "
-              "moves batch dims to 0 and calls the op once.",
-              "B", OP_LABELS, True),
-        Group("per_sample_grad_x", "Per-sample gradients w.r.t. the batched input",
-              "`vmap(grad(lambda x, w: op(x, w).sum(), argnums=0), in_dims=(0, None))(X, w)`, "
-              "X: (B, 64), w: (64,).",
-              "B", OP_LABELS, True),
-        Group("per_sample_grad_w", "Per-sample gradients w.r.t. an unbatched weight",
-              "`vmap(grad(lambda x, w: op(x, w).sum(), argnums=1), in_dims=(0, None))(X, w)`, "
-              "X: (B, 64), w: (64,).",
-              "B", OP_LABELS, True),
-        Group("jac", "Jacobians and Hessian, x, y: (64,)",
-              "w.r.t. x. Forward mode: `autograd.Function` uses its `jvp` staticmethod, "
-              "torch_autobatch the forward-mode AD of the function (no `register_jvp`).",
-              "transform", {k: OP_LABELS[k] for k in "dact"}, False),
-        Group("overhead", "Unbatched call, x, y: (64,)",
-              "No transform. The backward row includes `x.grad = None` before each step.",
-              "call", {k: OP_LABELS[k] for k in "dact"}, False),
-        Group("compiled", "`torch.compile` (Inductor), X, Y: (B, 64)",
-              "Every variant compiled with `torch.compile(fn, fullgraph=True)` (one compile per "
-              "row and variant), then timed. `torch.library.custom_op` and the last column have "
-              "a `register_fake`; torch_autobatch's default fake kernel is the op's function. "
-              "AOTAutograd's and Inductor's graph caches are off; Inductor's C++ kernel cache is "
-              "not, so variants whose fused kernels come out identical share one kernel build, "
-              "paid by the first of them compiled in a row (plain). "
-              "The forward + backward row is `op(op(x, y), y).sum().backward()` w.r.t. x; "
-              "`grad` and `vmap(grad)` differentiate `op(x, y).sum()` w.r.t. x; `jvp` pushes "
-              "a tangent of x. The second table is each compile's time (the first call).",
-              "row", COMPILED_LABELS, False),
-        Group("tracer", "Tracer: one MLP training step, traced vs untraced",
-              "`model.zero_grad(set_to_none=True); model(x).sum().backward()` (zero_grad "
-              "inside the timing for every variant); traced: the forward inside `with "
-              "torch_autobatch.trace():`, the backward after the block (recorded through the "
-              "autograd nodes' hooks); the ratio column is traced / untraced. The dispatch-mode column is the least a tracer built "
-              "on a Python `TorchDispatchMode` pays (`bench_tracer.py`).",
-              "model", TRACER_LABELS, False),
+        Group(
+            "vmap",
+            "`vmap(op)(X, Y)`",
+            "X, Y: (B, 64). custom_op's vmap is torch's per-example loop; + `register_vmap` "
+            "moves batch dims to 0 and calls the op once.",
+            "B",
+            OP_LABELS,
+            True,
+        ),
+        Group(
+            "per_sample_grad_x",
+            "Per-sample gradients w.r.t. the batched input",
+            "`vmap(grad(lambda x, w: op(x, w).sum(), argnums=0), in_dims=(0, None))(X, w)`, X: (B, 64), w: (64,).",
+            "B",
+            OP_LABELS,
+            True,
+        ),
+        Group(
+            "per_sample_grad_w",
+            "Per-sample gradients w.r.t. an unbatched weight",
+            "`vmap(grad(lambda x, w: op(x, w).sum(), argnums=1), in_dims=(0, None))(X, w)`, X: (B, 64), w: (64,).",
+            "B",
+            OP_LABELS,
+            True,
+        ),
+        Group(
+            "jac",
+            "Jacobians and Hessian, x, y: (64,)",
+            "w.r.t. x. Forward mode: `autograd.Function` uses its `jvp` staticmethod, "
+            "torch_autobatch the forward-mode AD of the function (no `register_jvp`).",
+            "transform",
+            {k: OP_LABELS[k] for k in "dact"},
+            False,
+        ),
+        Group(
+            "overhead",
+            "Unbatched call, x, y: (64,)",
+            "No transform. The backward row includes `x.grad = None` before each step.",
+            "call",
+            {k: OP_LABELS[k] for k in "dact"},
+            False,
+        ),
+        Group(
+            "compiled",
+            "`torch.compile` (Inductor), X, Y: (B, 64)",
+            "Every variant compiled with `torch.compile(fn, fullgraph=True)` (one compile per "
+            "row and variant), then timed. `torch.library.custom_op` and the last column have "
+            "a `register_fake`; torch_autobatch's default fake kernel is the op's function. "
+            "AOTAutograd's and Inductor's graph caches are off; Inductor's C++ kernel cache is "
+            "not, so variants whose fused kernels come out identical share one kernel build, "
+            "paid by the first of them compiled in a row (plain). "
+            "The forward + backward row is `op(op(x, y), y).sum().backward()` w.r.t. x; "
+            "`grad` and `vmap(grad)` differentiate `op(x, y).sum()` w.r.t. x; `jvp` pushes "
+            "a tangent of x. The second table is each compile's time (the first call).",
+            "row",
+            COMPILED_LABELS,
+            False,
+        ),
+        Group(
+            "tracer",
+            "Tracer: one MLP training step, traced vs untraced",
+            "`model.zero_grad(set_to_none=True); model(x).sum().backward()` (zero_grad "
+            "inside the timing for every variant); traced: the forward inside `with "
+            "torch_autobatch.trace():`, the backward after the block (recorded through the "
+            "autograd nodes' hooks); the ratio column is traced / untraced. The dispatch-mode column is the least a tracer built "
+            "on a Python `TorchDispatchMode` pays (`bench_tracer.py`).",
+            "model",
+            TRACER_LABELS,
+            False,
+        ),
     ]
 }
 
@@ -265,7 +299,7 @@ def run_vmap(cfg: Config) -> list[Row]:
         g = torch.Generator().manual_seed(bsz)
         X = torch.randn(bsz, b.D, generator=g, dtype=b.DTYPE)
         Y = torch.randn(bsz, b.D, generator=g, dtype=b.DTYPE)
-        makers = {v: (lambda op=b.OPS[v]: (lambda: vmap(op)(X, Y))) for v in OP_LABELS}
+        makers = {v: (lambda op=b.OPS[v]: lambda: vmap(op)(X, Y)) for v in OP_LABELS}
         cells, calls = measure_row(makers, b._body(X, Y), cfg, b.CALLS)
         rows.append({"key": bsz, "cells": cells, "calls": calls})
     return rows
@@ -306,9 +340,9 @@ def run_jac(cfg: Config) -> list[Row]:
     x = torch.randn(b.D, generator=g, dtype=b.DTYPE)
     y = torch.randn(b.D, generator=g, dtype=b.DTYPE)
     cases: dict[str, Callable[[Callable], Callable[[], Any]]] = {
-        "`jacrev(op)(x, y)`": lambda op: (lambda: jacrev(op)(x, y)),
-        "`jacfwd(op)(x, y)`": lambda op: (lambda: jacfwd(op)(x, y)),
-        "`hessian(lambda x: op(x, y).sum())(x)`": lambda op: (lambda: hessian(lambda x: op(x, y).sum())(x)),
+        "`jacrev(op)(x, y)`": lambda op: lambda: jacrev(op)(x, y),
+        "`jacfwd(op)(x, y)`": lambda op: lambda: jacfwd(op)(x, y),
+        "`hessian(lambda x: op(x, y).sum())(x)`": lambda op: lambda: hessian(lambda x: op(x, y).sum())(x),
     }
     rows = []
     for key, case in cases.items():
@@ -327,7 +361,7 @@ def run_overhead(cfg: Config) -> list[Row]:
     y = torch.randn(b.D, generator=g, dtype=b.DTYPE)
     variants = GROUPS["overhead"].labels
     rows = []
-    makers = {v: (lambda op=b.OPS[v]: (lambda: op(x, y))) for v in variants}
+    makers = {v: (lambda op=b.OPS[v]: lambda: op(x, y)) for v in variants}
     cells, _ = measure_row(makers, b._body(x, y), cfg)
     rows.append({"key": "`op(x, y)`, no grad", "cells": cells})
 
@@ -385,26 +419,26 @@ def run_compiled(cfg: Config) -> list[Row]:
     cases: dict[str, tuple[Callable[..., Callable[[], Any]], Callable[..., Any]]] = {
         "forward, `op(op(x, y), y)`": (
             lambda op, X, Y, T: compiled(lambda x, y: op(op(x, y), y), X, Y),
-            lambda X, Y, T: b._body(b._body(X, Y), Y)),
-        "forward + `.backward()`": (
-            lambda op, X, Y, T: backward(op, X, Y),
-            lambda X, Y, T: plain_grad_twice(X, Y)),
-        "`vmap(op)`": (
-            lambda op, X, Y, T: compiled(vmap(op), X, Y),
-            lambda X, Y, T: b._body(X, Y)),
+            lambda X, Y, T: b._body(b._body(X, Y), Y),
+        ),
+        "forward + `.backward()`": (lambda op, X, Y, T: backward(op, X, Y), lambda X, Y, T: plain_grad_twice(X, Y)),
+        "`vmap(op)`": (lambda op, X, Y, T: compiled(vmap(op), X, Y), lambda X, Y, T: b._body(X, Y)),
         "`grad`": (
             lambda op, X, Y, T: compiled(grad(lambda x, y: op(x, y).sum()), X, Y),
-            lambda X, Y, T: b._vjp(torch.ones_like(X), X, Y)[0]),
+            lambda X, Y, T: b._vjp(torch.ones_like(X), X, Y)[0],
+        ),
         "`vmap(grad)`": (
             lambda op, X, Y, T: compiled(vmap(grad(lambda x, y: op(x, y).sum())), X, Y),
-            lambda X, Y, T: b._vjp(torch.ones_like(X), X, Y)[0]),
+            lambda X, Y, T: b._vjp(torch.ones_like(X), X, Y)[0],
+        ),
         "`jvp` w.r.t. x": (
             lambda op, X, Y, T: compiled(lambda x, y, t: jvp(lambda x: op(x, y), (x,), (t,))[1], X, Y, T),
-            lambda X, Y, T: T * Y * torch.cos(X) + T.sum(-1, keepdim=True)),
+            lambda X, Y, T: T * Y * torch.cos(X) + T.sum(-1, keepdim=True),
+        ),
     }
     rows = []
     for case, (make_case, reference) in cases.items():
-        for bsz in ([100] if cfg.quick else [1, 100, 1000]):
+        for bsz in [100] if cfg.quick else [1, 100, 1000]:
             g = torch.Generator().manual_seed(bsz)
             X, Y, T = (torch.randn(bsz, b.D, generator=g, dtype=b.DTYPE) for _ in range(3))
             compile_s: dict[str, float] = {}
@@ -493,10 +527,16 @@ def _machine() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         commit += " (with uncommitted changes)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
@@ -555,8 +595,7 @@ def _calls_note(group: Group, rows: list[Row]) -> Optional[str]:
         counts = [str(row["calls"][v]) if v in row["calls"] else "-" for row in rows]
         parts.append(f"{label.strip('*')}: {', '.join(counts)}")
     bs = ", ".join(str(row["key"]) for row in rows)
-    return (f"Python body runs per call (counted during the checked call; B = {bs}): "
-            + "; ".join(parts) + ".")
+    return f"Python body runs per call (counted during the checked call; B = {bs}): " + "; ".join(parts) + "."
 
 
 def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
@@ -568,10 +607,8 @@ def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         "Generated by `benchmarks/run.py`; do not edit by hand.",
         "",
         f"- date: {meta['date']}",
-        f"- command: `{meta['command']}` ({'quick' if cfg['quick'] else 'full'}; "
-        f"wall time {meta['wall_s']:.0f} s)",
-        f"- machine: {m['platform']}, {m['cpu']}, {m['cpu_count']} CPUs; "
-        f"load average at start {m['load_average']}",
+        f"- command: `{meta['command']}` ({'quick' if cfg['quick'] else 'full'}; wall time {meta['wall_s']:.0f} s)",
+        f"- machine: {m['platform']}, {m['cpu']}, {m['cpu_count']} CPUs; load average at start {m['load_average']}",
         f"- versions: Python {m['python']}, torch {m['torch']}, torch_autobatch "
         f"{m['torch_autobatch']} (commit {m['commit']})",
         f"- threads: torch.get_num_threads() = {m['default_num_threads']} by default; "
@@ -592,8 +629,14 @@ def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         group = GROUPS[name]
         out += [f"## `{name}`: {group.title}", "", group.about, ""]
         if "error" in res:
-            out += [f"The group's subprocess failed ({res['error']}):", "", "```",
-                    res.get("stderr_tail", "").rstrip(), "```", ""]
+            out += [
+                f"The group's subprocess failed ({res['error']}):",
+                "",
+                "```",
+                res.get("stderr_tail", "").rstrip(),
+                "```",
+                "",
+            ]
             continue
         notes: list[str] = []
         header = [group.first_col] + list(group.labels.values()) + ["torch_autobatch / plain"]
@@ -612,8 +655,7 @@ def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
             out.append("| " + " | ".join([group.first_col] + list(group.labels.values())) + " |")
             out.append("|" + "|".join([":---"] + ["---:"] * len(group.labels)) + "|")
             for row in res["rows"]:
-                times = [f"{row['compile_s'][v]:.1f}" if v in row.get("compile_s", {}) else "-"
-                         for v in group.labels]
+                times = [f"{row['compile_s'][v]:.1f}" if v in row.get("compile_s", {}) else "-" for v in group.labels]
                 out.append("| " + " | ".join([str(row["key"])] + times) + " |")
             out.append("")
         calls = _calls_note(group, res["rows"])
@@ -644,9 +686,11 @@ def plot(name: str, rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
     ax.set_xlabel("batch size B")
     ax.set_ylabel("µs per call (median)")
     m = meta["machine"]
-    ax.set_title(f"{name}: {group.title.replace('`', '')}\n"
-                 f"torch {m['torch']}, {meta['config']['threads']} thread(s), {meta['date'][:10]}",
-                 fontsize=10)
+    ax.set_title(
+        f"{name}: {group.title.replace('`', '')}\n"
+        f"torch {m['torch']}, {meta['config']['threads']} thread(s), {meta['date'][:10]}",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -658,10 +702,15 @@ def plot(name: str, rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and shorter timing (smoke test)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", choices=list(GROUPS),
-                        help=f"run only these groups, of: {' '.join(GROUPS)}")
-    parser.add_argument("--out", type=Path, default=REPO / "docs",
-                        help="where benchmarks.md, benchmarks.json and the plots go (default: docs/)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", choices=list(GROUPS), help=f"run only these groups, of: {' '.join(GROUPS)}"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "docs",
+        help="where benchmarks.md, benchmarks.json and the plots go (default: docs/)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads to measure with (default 1)")
     parser.add_argument("--group-timeout", type=float, default=1800, help="seconds before a group is killed")
     parser.add_argument("--worker", choices=list(GROUPS), help=argparse.SUPPRESS)
@@ -675,21 +724,36 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     t_start = time.perf_counter()
     machine = _machine()
-    print(f"machine: {machine['platform']}, {machine['cpu']}, {machine['cpu_count']} CPUs, "
-          f"load average {machine['load_average']}")
-    print(f"versions: Python {machine['python']}, torch {machine['torch']}, "
-          f"torch_autobatch {machine['torch_autobatch']} (commit {machine['commit']})")
+    print(
+        f"machine: {machine['platform']}, {machine['cpu']}, {machine['cpu_count']} CPUs, "
+        f"load average {machine['load_average']}"
+    )
+    print(
+        f"versions: Python {machine['python']}, torch {machine['torch']}, "
+        f"torch_autobatch {machine['torch_autobatch']} (commit {machine['commit']})"
+    )
     print(f"threads: torch.get_num_threads() = {machine['default_num_threads']}; measuring with {cfg.threads}")
-    print(f"mode: {'quick' if cfg.quick else 'full'}, {cfg.rounds} rounds x "
-          f"blocked_autorange(min_run_time={cfg.min_run_time})", flush=True)
+    print(
+        f"mode: {'quick' if cfg.quick else 'full'}, {cfg.rounds} rounds x "
+        f"blocked_autorange(min_run_time={cfg.min_run_time})",
+        flush=True,
+    )
 
     groups = args.only or list(GROUPS)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="torch_autobatch_bench_") as tmp:
         for name in groups:
             result = Path(tmp) / f"{name}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
-                   "--threads", str(cfg.threads)] + (["--quick"] if cfg.quick else [])
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                name,
+                "--result",
+                str(result),
+                "--threads",
+                str(cfg.threads),
+            ] + (["--quick"] if cfg.quick else [])
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.group_timeout)

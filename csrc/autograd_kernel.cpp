@@ -11,10 +11,10 @@
 // recorded, and (2) attaches a plain autograd Node, is what every functorch
 // Grad level expects: functorch re-enables the Autograd keys per level and our
 // kernel runs once per level, on that level's TensorWrappers.
-#include "op_state.h"
 #include "forward_mode.h"
 #include "functorch.h"
 #include "grad_node.h"
+#include "op_state.h"
 #include "vmap_frames.h"
 
 #include <torch/csrc/autograd/functions/utils.h>
@@ -26,13 +26,9 @@ namespace {
 
 class AutogradKernel final : public c10::OperatorKernel {
  public:
-  explicit AutogradKernel(std::shared_ptr<OpState> state)
-      : state_(std::move(state)) {}
+  explicit AutogradKernel(std::shared_ptr<OpState> state) : state_(std::move(state)) {}
 
-  void operator()(
-      const c10::OperatorHandle& op,
-      c10::DispatchKeySet ks,
-      torch::jit::Stack* stack) {
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     if (!state_->defined.load(std::memory_order_relaxed)) {
       redispatch_without_us(*state_, this, op, ks, stack);
       return;
@@ -82,8 +78,7 @@ class AutogradKernel final : public c10::OperatorKernel {
     c10::intrusive_ptr<CustomOpNode> node;
     if (needs_node) {
       node = c10::make_intrusive<CustomOpNode>(
-          state_, std::move(arg_slots), ret_slots, inputs, inputs,
-          std::vector<VmapFrame>{},
+          state_, std::move(arg_slots), ret_slots, inputs, inputs, std::vector<VmapFrame>{},
           passed_arguments(saved_args, schema.arguments()).num_positional);
       node->set_history(outputs);
     }
@@ -91,7 +86,8 @@ class AutogradKernel final : public c10::OperatorKernel {
     if (any_tangent) {
       // NOTE [Forward mode]. Before the node saves anything: a saved output
       // keeps its tangent.
-      set_tangents(schema, saved_args, returns, ret_slots, outputs, rng_before_primal, pre_mutation);
+      set_tangents(
+          schema, saved_args, returns, ret_slots, outputs, rng_before_primal, pre_mutation);
     }
     if (node) {
       save_for_backward(*node, schema, saved_args, returns, outputs);
@@ -130,9 +126,8 @@ class AutogradKernel final : public c10::OperatorKernel {
     if (needs_node && !layer.has_value()) {
       no_grad.emplace(false);
     }
-    const bool ad_level = layer.has_value() &&
-        (layer->key() == functorch::TransformType::Grad ||
-         layer->key() == functorch::TransformType::Jvp);
+    const bool ad_level = layer.has_value() && (layer->key() == functorch::TransformType::Grad ||
+                                                layer->key() == functorch::TransformType::Jvp);
     SentDownFromAD sent_down(ad_level ? layer->layerId() : 0);
     if (mutates) {
       op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
@@ -183,8 +178,7 @@ class AutogradKernel final : public c10::OperatorKernel {
     std::vector<at::Tensor> saved;
     std::vector<bool> non_differentiable;
     py::object ctx = call_setup_context(
-        *state_, schema, saved_args, returns, outputs, needs_input_grad, saved,
-        non_differentiable);
+        *state_, schema, saved_args, returns, outputs, needs_input_grad, saved, non_differentiable);
     node.save(ctx, saved, outputs, non_differentiable);
   }
 
@@ -204,13 +198,11 @@ class AutogradKernel final : public c10::OperatorKernel {
     for (size_t a = 0; a < args.size(); ++a) {
       const auto& info = schema.arguments()[a].alias_info();
       const bool returned = std::find(
-          state_->return_aliases.begin(), state_->return_aliases.end(),
-          static_cast<int64_t>(a)) != state_->return_aliases.end();
+                                state_->return_aliases.begin(), state_->return_aliases.end(),
+                                static_cast<int64_t>(a)) != state_->return_aliases.end();
       TORCH_CHECK(
           !(info && info->isWrite() && !returned && any_requires_grad(args[a])),
-          "torch_autobatch: ",
-          state_->qualname,
-          " mutates its argument '",
+          "torch_autobatch: ", state_->qualname, " mutates its argument '",
           schema.arguments()[a].name(),
           "' in place, and that tensor requires grad. A custom op's backward "
           "cannot differentiate through its own mutation: pass a tensor that "

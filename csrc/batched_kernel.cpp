@@ -14,11 +14,11 @@
 // user's backward runs batched too (NOTE [Re-entering the vmap levels]).
 // Where the composite cannot or must not run once, the op runs once per
 // example instead (vmap_loop.cpp).
-#include "op_state.h"
 #include "forward_mode.h"
 #include "functorch.h"
 #include "grad_node.h"
 #include "level_walk.h"
+#include "op_state.h"
 #include "vmap_loop.h"
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -71,13 +71,9 @@ bool looks_like_batching_failure(const std::string& msg) {
 
 class BatchedKernel final : public c10::OperatorKernel {
  public:
-  explicit BatchedKernel(std::shared_ptr<OpState> state)
-      : state_(std::move(state)) {}
+  explicit BatchedKernel(std::shared_ptr<OpState> state) : state_(std::move(state)) {}
 
-  void operator()(
-      const c10::OperatorHandle& op,
-      c10::DispatchKeySet ks,
-      torch::jit::Stack* stack) {
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     if (!state_->defined.load(std::memory_order_relaxed)) {
       redispatch_without_us(*state_, this, op, ks, stack);
       return;
@@ -132,8 +128,7 @@ class BatchedKernel final : public c10::OperatorKernel {
       // composite; without one, the composite's own forward-mode AD gives them
       // here, in the same single run.
       c10::AutoFwGradMode no_fw_grad(
-          c10::AutogradState::get_tls_state().get_fw_grad_mode() &&
-          !state_->has_jvp.load());
+          c10::AutogradState::get_tls_state().get_fw_grad_mode() && !state_->has_jvp.load());
       if (mode == VmapMode::Rule) {
         run_rule(op, stack);
       } else {
@@ -244,8 +239,7 @@ class BatchedKernel final : public c10::OperatorKernel {
   // from them, is the user's: its type and message stay as raised.
   [[noreturn]] void handle_composite_error(python_error& e, bool may_retry) const {
     e.persist();
-    const bool is_torch_error =
-        e.type == PyExc_RuntimeError || e.type == PyExc_NotImplementedError;
+    const bool is_torch_error = e.type == PyExc_RuntimeError || e.type == PyExc_NotImplementedError;
     if (!is_torch_error || !looks_like_batching_failure(e.what())) {
       throw std::move(e);
     }
@@ -259,10 +253,7 @@ class BatchedKernel final : public c10::OperatorKernel {
     }
     const auto& name = state_->qualname.substr(state_->qualname.find("::") + 2);
     TORCH_CHECK(
-        false,
-        cause,
-        "\ntorch_autobatch: vmap of ",
-        state_->qualname,
+        false, cause, "\ntorch_autobatch: vmap of ", state_->qualname,
         " runs its function once on batched tensors, and that failed (above). "
         "A function vmap can batch uses torch ops only: no .item(), "
         ".tolist(), .numpy(), no Python control flow on tensor values, and no "
@@ -295,8 +286,7 @@ void BatchedKernel::run_rule(const c10::OperatorHandle& op, torch::jit::Stack* s
     // NOTE [The function gets its arguments as torch passes them]
     const auto [py_args, py_kwargs] =
         to_py_call(torch::jit::last(*stack, num_args), schema.arguments());
-    py::tuple outs =
-        call_method(state_->opdef(), py_names().run_vmap_rule, {py_args, py_kwargs});
+    py::tuple outs = call_method(state_->opdef(), py_names().run_vmap_rule, {py_args, py_kwargs});
     torch::jit::drop(*stack, num_args);
     for (size_t r = 0; r < num_returns; ++r) {
       torch::jit::push(*stack, torch::jit::toIValue(outs[r], schema.returns()[r].type()));

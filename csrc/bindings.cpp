@@ -1,8 +1,8 @@
 // The Python bindings of torch_autobatch._C: registers our C++ kernels for an
 // operator that torch_autobatch.custom_op has defined. Python stays the thin, typed layer;
 // this module holds no Python-visible state but the registrations.
-#include "op_state.h"
 #include "grad_node.h"
+#include "op_state.h"
 #include "tracer.h"
 
 namespace torch_autobatch {
@@ -45,19 +45,15 @@ PYBIND11_MODULE(_C, m) {
           [](tab::Registration& r, tab::VmapMode mode) { r.state->vmap_mode.store(mode); },
           "How the batched kernel computes the op under vmap (VmapMode).")
       .def(
-          "set_has_jvp",
-          [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },
+          "set_has_jvp", [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },
           "Whether the op has a registered jvp (register_jvp).")
       .def(
-          "destroy",
-          [](tab::Registration& r) { r.state->deregister(); },
+          "destroy", [](tab::Registration& r) { r.state->deregister(); },
           "Deregisters the kernels now (idempotent).")
-      .def_property_readonly(
-          "registered",
-          [](const tab::Registration& r) {
-            std::lock_guard<std::mutex> guard(r.state->lib_mutex);
-            return r.state->lib != nullptr;
-          });
+      .def_property_readonly("registered", [](const tab::Registration& r) {
+        std::lock_guard<std::mutex> guard(r.state->lib_mutex);
+        return r.state->lib != nullptr;
+      });
   m.def(
       "_register_op",
       [](const std::string& qualname, py::object opdef) {
@@ -67,8 +63,7 @@ PYBIND11_MODULE(_C, m) {
           throw std::runtime_error(e.what_without_backtrace());
         }
       },
-      py::arg("qualname"),
-      py::arg("opdef"),
+      py::arg("qualname"), py::arg("opdef"),
       "Registers torch_autobatch's C++ kernels (Autograd) for the operator "
       "`qualname`, calling back into `opdef`. Returns a handle that keeps them "
       "registered.");

@@ -105,9 +105,8 @@ PreMutationArgs::PreMutationArgs(
     const auto* info = schema.arguments()[a].alias_info();
     if (info != nullptr && info->isWrite()) {
       mutated_.push_back(a);
-      args_[a] = map_tensors(args[a], [](const at::Tensor& t, size_t) {
-        return t.defined() ? t.clone() : t;
-      });
+      args_[a] = map_tensors(
+          args[a], [](const at::Tensor& t, size_t) { return t.defined() ? t.clone() : t; });
     }
   }
 }
@@ -144,18 +143,16 @@ std::string tangent_mismatch(const at::Tensor& t, const at::Tensor& out, const s
   std::ostringstream msg;
   if (!t.sym_sizes().equals(out.sym_sizes())) {
     msg << "returned a tangent of shape " << t.sym_sizes() << " for " << where
-        << ", which has shape " << out.sym_sizes()
-        << ". Return a tangent of the output's shape.";
+        << ", which has shape " << out.sym_sizes() << ". Return a tangent of the output's shape.";
   } else if (t.scalar_type() != out.scalar_type()) {
     msg << "returned a tangent of dtype " << t.scalar_type() << " for " << where
         << ", which has dtype " << out.scalar_type() << ". Cast it with .to(output.dtype).";
   } else if (t.device() != out.device()) {
-    msg << "returned a tangent on device " << t.device() << " for " << where
-        << ", which is on " << out.device() << ". Move it with .to(output.device).";
+    msg << "returned a tangent on device " << t.device() << " for " << where << ", which is on "
+        << out.device() << ". Move it with .to(output.device).";
   } else if (t.layout() != out.layout()) {
     msg << "returned a tangent of layout " << t.layout() << " for " << where
-        << ", which has layout " << out.layout()
-        << ". Return a tangent of the output's layout.";
+        << ", which has layout " << out.layout() << ". Return a tangent of the output's layout.";
   }
   return msg.str();
 }
@@ -177,8 +174,8 @@ std::vector<at::Tensor> check_jvp_result(
   const size_t num_returns = ret_slots.size();
   if (!PyTuple_Check(result.ptr()) || py::len(result) != num_returns) {
     const std::string got = PyTuple_Check(result.ptr())
-        ? std::to_string(py::len(result)) + " tangent(s)"
-        : type_name(result);
+                                ? std::to_string(py::len(result)) + " tangent(s)"
+                                : type_name(result);
     fail(
         "returned " + got + ", but the op has " + std::to_string(num_returns) +
         " output(s). Return one tangent per output (a tuple for several), None "
@@ -189,8 +186,8 @@ std::vector<at::Tensor> check_jvp_result(
   auto check = [&](py::handle tangent, size_t k, const std::string& where) {
     if (!THPVariable_Check(tangent.ptr())) {
       fail(
-          "returned a value of type " + type_name(tangent) + " as the tangent of " +
-          where + "; expected a Tensor or None.");
+          "returned a value of type " + type_name(tangent) + " as the tangent of " + where +
+          "; expected a Tensor or None.");
     }
     const at::Tensor& t = THPVariable_Unpack(tangent.ptr());
     const at::Tensor& out = outputs[k];
@@ -358,9 +355,7 @@ namespace {
 
 // ctx.needs_input_grad as the Autograd kernel's path gives it: does the
 // input, at this level, require grad?
-py::tuple needs_input_grad(
-    const std::vector<at::Tensor>& in,
-    const std::vector<Slot>& arg_slots) {
+py::tuple needs_input_grad(const std::vector<at::Tensor>& in, const std::vector<Slot>& arg_slots) {
   py::tuple needs(arg_slots.size());
   for (size_t a = 0; a < arg_slots.size(); ++a) {
     bool need = false;
@@ -415,9 +410,8 @@ void set_jvp_tangents_below_vmap(
   // A tensor of this level: a TensorWrapper of the Jvp level, or at the base
   // a plain tensor (a dual tensor of forward-mode AD).
   auto at_this_level = [&](const at::Tensor& t) {
-    return t.defined() &&
-        (level == kBaseLevel ? functorch::maybeGetTensorWrapper(t) == nullptr
-                             : functorch::is_wrapped_at(t, level));
+    return t.defined() && (level == kBaseLevel ? functorch::maybeGetTensorWrapper(t) == nullptr
+                                               : functorch::is_wrapped_at(t, level));
   };
   std::vector<at::Tensor> primals(in.size());
   std::vector<at::Tensor> tangents(in.size());

@@ -41,8 +41,7 @@ using at::functorch::unwrapTensorAtLevel; // BatchedTensor -> (value, bdim)
 // The grad mode the op would see at a Grad level (prevGradMode is the mode in
 // force outside that level).
 inline bool prev_grad_mode(const DynamicLayer& layer) {
-  return std::get<at::functorch::GradInterpreterMeta>(layer.interpreter().meta())
-      .prevGradMode_;
+  return std::get<at::functorch::GradInterpreterMeta>(layer.interpreter().meta()).prevGradMode_;
 }
 
 // `t` seen from one level down: the wrapped value if `t` is a TensorWrapper of
@@ -167,14 +166,12 @@ class LowerToLevel {
 // autograd engine run restores the one it captured, with the set cleared).
 class AsPlainCaller {
  public:
-  AsPlainCaller()
-      : saved_tls_(c10::impl::tls_local_dispatch_key_set()), caller_tls_(saved_tls_) {
+  AsPlainCaller() : saved_tls_(c10::impl::tls_local_dispatch_key_set()), caller_tls_(saved_tls_) {
     // process() excludes the front key from the TLS while it runs: that is
     // how we know the top is processing (its saved key set is then set).
     const auto& stack = at::functorch::getDynamicLayerStack();
-    if (stack.empty() ||
-        !c10::impl::tls_is_dispatch_key_excluded(
-            c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    if (stack.empty() || !c10::impl::tls_is_dispatch_key_excluded(
+                             c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
       return;
     }
     auto& top = top_interpreter();
@@ -206,8 +203,7 @@ class AsPlainCaller {
  private:
   // getDynamicLayerStack() is the thread's own vector (not a copy).
   static at::functorch::Interpreter& top_interpreter() {
-    return const_cast<DynamicLayer&>(at::functorch::getDynamicLayerStack().back())
-        .interpreter();
+    return const_cast<DynamicLayer&>(at::functorch::getDynamicLayerStack().back()).interpreter();
   }
 
   c10::impl::LocalDispatchKeySet saved_tls_;
@@ -222,8 +218,12 @@ class AsPlainCaller {
 class GradLevelGuard {
  public:
   explicit GradLevelGuard(bool prev_grad_mode)
-      : level_(at::functorch::initAndPushDynamicLayer(
-            TransformType::Grad, std::nullopt, std::nullopt, prev_grad_mode)) {}
+      : level_(
+            at::functorch::initAndPushDynamicLayer(
+                TransformType::Grad,
+                std::nullopt,
+                std::nullopt,
+                prev_grad_mode)) {}
   GradLevelGuard(const GradLevelGuard&) = delete;
   GradLevelGuard& operator=(const GradLevelGuard&) = delete;
   ~GradLevelGuard() {
@@ -252,8 +252,9 @@ class ReenteredVmapLevels {
   }
   // Pushes a level inside the others; returns its id.
   int64_t push(const c10::SymInt& batch_size, int64_t randomness) {
-    levels_.push_back(at::functorch::initAndPushDynamicLayer(
-        TransformType::Vmap, batch_size, static_cast<RandomnessType>(randomness)));
+    levels_.push_back(
+        at::functorch::initAndPushDynamicLayer(
+            TransformType::Vmap, batch_size, static_cast<RandomnessType>(randomness)));
     return levels_.back();
   }
   int64_t innermost() const {

@@ -80,18 +80,13 @@ PyObject* make_saved_tensors_type() {
       {Py_tp_descr_get, reinterpret_cast<void*>(&saved_tensors_get)},
       {Py_tp_descr_set, reinterpret_cast<void*>(&saved_tensors_set)},
       {Py_tp_doc,
-       const_cast<char*>(
-           "ctx.saved_tensors: what setup_context passed to save_for_backward, "
-           "readable inside the backward (and jvp) call only (NOTE [Saved "
-           "tensors belong to the call], csrc/grad_node.cpp).")},
+       const_cast<char*>("ctx.saved_tensors: what setup_context passed to save_for_backward, "
+                         "readable inside the backward (and jvp) call only (NOTE [Saved "
+                         "tensors belong to the call], csrc/grad_node.cpp).")},
       {0, nullptr},
   };
   static PyType_Spec spec = {
-      "torch_autobatch._C._SavedTensors",
-      sizeof(PyObject),
-      0,
-      Py_TPFLAGS_DEFAULT,
-      slots,
+      "torch_autobatch._C._SavedTensors", sizeof(PyObject), 0, Py_TPFLAGS_DEFAULT, slots,
   };
   return PyType_FromSpec(&spec);
 }
@@ -146,7 +141,8 @@ CustomOpNode::CustomOpNode(
   logical_meta_.reserve(logical_inputs.size());
   for (const auto& t : logical_inputs) {
     // (an undefined entry: a Tensor?[]'s None, which gets no gradient)
-    logical_meta_.push_back(t.defined() ? torch::autograd::TypeAndSize(t) : torch::autograd::TypeAndSize());
+    logical_meta_.push_back(
+        t.defined() ? torch::autograd::TypeAndSize(t) : torch::autograd::TypeAndSize());
     input_defined_.push_back(t.defined());
   }
 }
@@ -159,8 +155,7 @@ void CustomOpNode::set_history(const std::vector<at::Tensor>& outputs) {
   }
   for (size_t k = 0; k < outputs.size(); ++k) {
     const at::Tensor& out = outputs[k];
-    const bool diff = out.defined() &&
-        torch::autograd::isDifferentiableType(out.scalar_type());
+    const bool diff = out.defined() && torch::autograd::isDifferentiableType(out.scalar_type());
     if (diff && !returned.empty() && returned[k]) {
       // A returned mutated argument: its history moves onto this node, as an
       // in-place op's does (a view's base gets a CopySlices): NOTE
@@ -198,9 +193,7 @@ void CustomOpNode::save(
     }
     // An output is saved without its grad_fn (this node): no reference cycle.
     const bool is_output = std::any_of(
-        outputs_for_saving_.begin(),
-        outputs_for_saving_.end(),
-        [&](const at::Tensor& out) {
+        outputs_for_saving_.begin(), outputs_for_saving_.end(), [&](const at::Tensor& out) {
           return out.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
         });
     saved_.emplace_back(t, is_output);
@@ -284,14 +277,7 @@ py::tuple CustomOpNode::wrap_grads(const variable_list& grads) const {
 
 void CustomOpNode::fail_backward(const std::string& what) const {
   std::string fn = py::str(opdef_.get().attr(py_names().backward_fn_name));
-  TORCH_CHECK(
-      false,
-      "torch_autobatch: the backward of ",
-      state_->qualname,
-      " (",
-      fn,
-      ") ",
-      what);
+  TORCH_CHECK(false, "torch_autobatch: the backward of ", state_->qualname, " (", fn, ") ", what);
 }
 
 variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
@@ -327,8 +313,7 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
     }
     if (s.count == 0 && !s.is_list) {
       fail_backward(
-          "returned a value of type " +
-          std::string(py::str(py::type::of(g).attr("__name__"))) +
+          "returned a value of type " + std::string(py::str(py::type::of(g).attr("__name__"))) +
           " for input '" + arg_names[a] +
           "', which is not a Tensor (or was None). Return None for it.");
     }
@@ -338,10 +323,9 @@ variable_list CustomOpNode::unwrap_input_grads(py::handle result) const {
     }
     if (!py::isinstance<py::sequence>(g) || py::len(g) != s.count) {
       fail_backward(
-          "returned " + std::string(py::str(py::repr(g))) + " for input '" +
-          arg_names[a] + "', a list of " + std::to_string(s.count) +
-          " tensors. Return a list of " + std::to_string(s.count) +
-          " gradients (Tensor or None), or None.");
+          "returned " + std::string(py::str(py::repr(g))) + " for input '" + arg_names[a] +
+          "', a list of " + std::to_string(s.count) + " tensors. Return a list of " +
+          std::to_string(s.count) + " gradients (Tensor or None), or None.");
     }
     auto seq = py::reinterpret_borrow<py::sequence>(g);
     for (size_t k = 0; k < s.count; ++k) {
@@ -375,16 +359,14 @@ void CustomOpNode::require_gradient_of_returned_argument(size_t arg) const {
   }
 }
 
-at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t arg)
-    const {
+at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t arg) const {
   if (!input_defined_[edge]) {
     return at::Tensor(); // a None entry of a Tensor?[]: nothing to differentiate
   }
   const std::string& arg_name = state_->arg_names[arg];
   if (!THPVariable_Check(grad.ptr())) {
     fail_backward(
-        "returned a value of type " +
-        std::string(py::str(py::type::of(grad).attr("__name__"))) +
+        "returned a value of type " + std::string(py::str(py::type::of(grad).attr("__name__"))) +
         " as the gradient of input '" + arg_name + "'; expected a Tensor or None.");
   }
   at::Tensor g = THPVariable_Unpack(grad.ptr());
@@ -394,8 +376,8 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
     // the input broadcasts to is summed back to the input's shape.
     if (!at::is_expandable_to(meta.sym_sizes, g.sym_sizes())) {
       std::ostringstream msg;
-      msg << "returned a gradient of shape " << g.sym_sizes() << " for input '"
-          << arg_name << "', which has shape " << c10::SymIntArrayRef(meta.sym_sizes)
+      msg << "returned a gradient of shape " << g.sym_sizes() << " for input '" << arg_name
+          << "', which has shape " << c10::SymIntArrayRef(meta.sym_sizes)
           << ". Return a gradient of the input's shape, or of a shape the input "
              "broadcasts to (it is then summed to the input's shape).";
       fail_backward(msg.str());
@@ -405,9 +387,8 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
   const auto dtype = c10::typeMetaToScalarType(meta.options.dtype());
   if (g.scalar_type() != dtype) {
     std::ostringstream msg;
-    msg << "returned a gradient of dtype " << g.scalar_type() << " for input '"
-        << arg_name << "', which has dtype " << dtype
-        << ". Cast it with .to(input.dtype).";
+    msg << "returned a gradient of dtype " << g.scalar_type() << " for input '" << arg_name
+        << "', which has dtype " << dtype << ". Cast it with .to(input.dtype).";
     fail_backward(msg.str());
   }
   // An input that does not require grad has no edge: drop its gradient.
@@ -437,8 +418,7 @@ py::object call_setup_context(
       py_output = to_py_tuple(returns, schema.returns());
     }
     const PyNames& names = py_names();
-    py::object ctx =
-        call_method(state.opdef(), names.setup_autograd, {py_args, py_output, needs});
+    py::object ctx = call_method(state.opdef(), names.setup_autograd, {py_args, py_output, needs});
     // NOTE [ctx is torch's FunctionCtx] (_autograd.py): what its methods recorded.
     py::object to_save = ctx.attr(names.to_save);
     if (!to_save.is_none()) {
@@ -452,11 +432,11 @@ py::object call_setup_context(
           continue;
         }
         if (!THPVariable_Check(item.ptr())) {
-          const std::string msg = "ctx.save_for_backward: argument " +
-              std::to_string(i) + " is of type " +
-              std::string(py::str(py::type::handle_of(item).attr("__name__"))) +
-              "; it saves tensors or None only. Store other values as "
-              "attributes instead (ctx.name = value).";
+          const std::string msg = "ctx.save_for_backward: argument " + std::to_string(i) +
+                                  " is of type " +
+                                  std::string(py::str(py::type::handle_of(item).attr("__name__"))) +
+                                  "; it saves tensors or None only. Store other values as "
+                                  "attributes instead (ctx.name = value).";
           PyErr_SetString(PyExc_TypeError, msg.c_str());
           throw py::error_already_set();
         }
@@ -469,8 +449,8 @@ py::object call_setup_context(
     if (!marked.is_none()) {
       for (py::handle item : marked) {
         const auto* impl = THPVariable_Check(item.ptr())
-            ? THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl()
-            : nullptr;
+                               ? THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl()
+                               : nullptr;
         bool found = false;
         for (size_t k = 0; k < outputs.size(); ++k) {
           if (outputs[k].defined() && outputs[k].unsafeGetTensorImpl() == impl) {
@@ -478,9 +458,7 @@ py::object call_setup_context(
           }
         }
         TORCH_CHECK(
-            found,
-            "torch_autobatch: the setup_context of ",
-            state.qualname,
+            found, "torch_autobatch: the setup_context of ", state.qualname,
             " passed ctx.mark_non_differentiable a value that is not one of the "
             "op's outputs; pass output tensors only.");
       }

@@ -49,8 +49,7 @@ class CustomOpNode final : public torch::autograd::Node {
     return frames_;
   }
 
-  torch::autograd::variable_list apply(
-      torch::autograd::variable_list&& grads) override;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
   void release_variables() override;
 
  private:

@@ -94,7 +94,10 @@ std::vector<at::Tensor> wrapped_at(const std::vector<at::Tensor>& ts, int64_t id
 // or Jvp level to attach at), and at the base no input, with its batch dims
 // peeled, requires grad (with grad mode on) or has a tangent for the
 // registered jvp (forward-mode AD's dual tensors).
-bool nothing_to_attach(const OpState& state, bool grad_mode, const std::vector<at::Tensor>& inputs) {
+bool nothing_to_attach(
+    const OpState& state,
+    bool grad_mode,
+    const std::vector<at::Tensor>& inputs) {
   for (const auto& layer : functorch::getDynamicLayerStack()) {
     if (layer.key() != TransformType::Vmap) {
       return false;
@@ -109,8 +112,7 @@ bool nothing_to_attach(const OpState& state, bool grad_mode, const std::vector<a
       t = b->value();
     }
     if (t.defined() &&
-        ((grad_mode && t.requires_grad()) ||
-         (has_jvp && torch::autograd::isFwGradDefined(t)))) {
+        ((grad_mode && t.requires_grad()) || (has_jvp && torch::autograd::isFwGradDefined(t)))) {
       return false;
     }
   }
@@ -152,8 +154,8 @@ class LevelWalk {
     }
     visit_base();
     if (log_) {
-      std::cerr << "torch_autobatch: level walk of " << state_->qualname << ":"
-                << log_.str() << "\n";
+      std::cerr << "torch_autobatch: level walk of " << state_->qualname << ":" << log_.str()
+                << "\n";
     }
     if (!sites_.empty()) {
       save();
@@ -180,9 +182,8 @@ class LevelWalk {
         f.in_bdims = unwrap_vmap_level(in_, id);
         f.out_bdims = unwrap_vmap_level(out_, id);
         if (log_) {
-          log_ << "\n  level " << id << " vmap: batch size " << f.batch_size
-               << ", input bdims " << bdims_str(f.in_bdims) << ", output bdims "
-               << bdims_str(f.out_bdims);
+          log_ << "\n  level " << id << " vmap: batch size " << f.batch_size << ", input bdims "
+               << bdims_str(f.in_bdims) << ", output bdims " << bdims_str(f.out_bdims);
         }
         frames_.push_back(std::move(f));
         return;
@@ -224,7 +225,9 @@ class LevelWalk {
     }
     if (log_) {
       log_ << "\n  level " << id << " grad: "
-           << (attach_here ? "node attached" : any ? "no node (grad mode off)" : "no node (no input requires grad)");
+           << (attach_here ? "node attached"
+               : any       ? "no node (grad mode off)"
+                           : "no node (no input requires grad)");
     }
     mode_ = functorch::prev_grad_mode(layer);
   }
@@ -253,7 +256,10 @@ class LevelWalk {
     }
   }
 
-  void attach(int64_t level, const std::vector<at::Tensor>& in_here, const std::vector<at::Tensor>& out_here) {
+  void attach(
+      int64_t level,
+      const std::vector<at::Tensor>& in_here,
+      const std::vector<at::Tensor>& out_here) {
     auto node = c10::make_intrusive<CustomOpNode>(
         state_, arg_slots_, ret_slots_, in_here, inputs_,
         std::vector<VmapFrame>(frames_.rbegin(), frames_.rend()),
@@ -355,14 +361,15 @@ void attach_grad_nodes(
     const std::vector<at::Tensor>& outputs) {
   if (nothing_to_attach(*state, grad_mode, inputs)) {
     if (log_level_walk()) {
-      std::cerr << "torch_autobatch: level walk of " << state->qualname
-                << ": only vmap levels, no input requires grad or has a tangent: nothing attached\n";
+      std::cerr
+          << "torch_autobatch: level walk of " << state->qualname
+          << ": only vmap levels, no input requires grad or has a tangent: nothing attached\n";
     }
     return;
   }
   LevelWalk(
-      state, schema, grad_mode, std::move(arg_slots), std::move(ret_slots), args, returns,
-      inputs, outputs)
+      state, schema, grad_mode, std::move(arg_slots), std::move(ret_slots), args, returns, inputs,
+      outputs)
       .run();
 }
 

@@ -189,10 +189,8 @@ std::optional<Aliasing> find_aliasing(
 // NOTE [Returned mutated arguments]: the schema's return aliases, and per
 // flat output whether it is a returned argument.
 std::vector<int64_t> return_aliases(const c10::FunctionSchema& schema);
-std::vector<bool> returned_arguments(
-    const OpState& state,
-    const std::vector<Slot>& ret_slots,
-    size_t num_outputs);
+std::vector<bool>
+returned_arguments(const OpState& state, const std::vector<Slot>& ret_slots, size_t num_outputs);
 // Puts each returned argument on `stack` (the op's returns at its end) as
 // the argument itself, as an in-place aten op's kernel returns `self`.
 void return_the_arguments(

@@ -1,7 +1,7 @@
 // The op's tensors as both kernels see them: flattened from the dispatcher's
 // stack, and checked for aliasing the schema does not declare.
-#include "op_state.h"
 #include "functorch.h"
+#include "op_state.h"
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -129,10 +129,8 @@ std::vector<int64_t> return_aliases(const c10::FunctionSchema& schema) {
   return aliases;
 }
 
-std::vector<bool> returned_arguments(
-    const OpState& state,
-    const std::vector<Slot>& ret_slots,
-    size_t num_outputs) {
+std::vector<bool>
+returned_arguments(const OpState& state, const std::vector<Slot>& ret_slots, size_t num_outputs) {
   std::vector<bool> returned(num_outputs, false);
   for (size_t r = 0; state.returns_an_argument && r < ret_slots.size(); ++r) {
     if (state.return_aliases[r] >= 0) {
@@ -195,25 +193,14 @@ void check_no_aliasing(
         {as_tuple(inputs), py::dict(), as_tuple(outputs)});
   }
   TORCH_CHECK(
-      !found->other_output,
-      "torch_autobatch: ",
-      state.qualname,
-      " returned outputs ",
-      found->other_output.value_or(0),
-      " and ",
-      found->output,
-      " that alias each other (share memory), which its schema `",
-      schema,
+      !found->other_output, "torch_autobatch: ", state.qualname, " returned outputs ",
+      found->other_output.value_or(0), " and ", found->output,
+      " that alias each other (share memory), which its schema `", schema,
       "` does not declare. Return distinct tensors: e.g. `y, y.clone()` "
       "instead of `y, y`.");
   TORCH_CHECK(
-      false,
-      "torch_autobatch: ",
-      state.qualname,
-      " returned an output (tensor ",
-      found->output,
-      ") that aliases one of its inputs, which its schema `",
-      schema,
+      false, "torch_autobatch: ", state.qualname, " returned an output (tensor ", found->output,
+      ") that aliases one of its inputs, which its schema `", schema,
       "` does not declare. Operators made by torch_autobatch.custom_op "
       "must return new tensors: return `x.clone()` instead of `x` or a "
       "view of it.");

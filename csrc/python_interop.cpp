@@ -48,7 +48,7 @@ const PyNames& py_names() {
     const auto& side = python_side();
     TORCH_INTERNAL_ASSERT(side.size() == 13, "python_side() and PyNames disagree");
     auto intern = [&](size_t i) { return PyUnicode_InternFromString(side[i].name); };
-    return PyNames{intern(0), intern(1), intern(2), intern(3), intern(4), intern(5), intern(6),
+    return PyNames{intern(0), intern(1), intern(2), intern(3),  intern(4),  intern(5), intern(6),
                    intern(7), intern(8), intern(9), intern(10), intern(11), intern(12)};
   }();
   return names;
@@ -96,14 +96,16 @@ py::object to_py(const c10::IValue& value, const c10::Type& type) {
   switch (type.kind()) {
     case c10::TypeKind::ScalarTypeType:
       if (value.isInt()) {
-        return borrowed(reinterpret_cast<PyObject*>(
-            torch::getTHPDtype(static_cast<c10::ScalarType>(value.toInt()))));
+        return borrowed(
+            reinterpret_cast<PyObject*>(
+                torch::getTHPDtype(static_cast<c10::ScalarType>(value.toInt()))));
       }
       break;
     case c10::TypeKind::LayoutType:
       if (value.isInt()) {
-        return borrowed(reinterpret_cast<PyObject*>(
-            torch::getTHPLayout(static_cast<c10::Layout>(value.toInt()))));
+        return borrowed(
+            reinterpret_cast<PyObject*>(
+                torch::getTHPLayout(static_cast<c10::Layout>(value.toInt()))));
       }
       break;
     case c10::TypeKind::MemoryFormatType:
@@ -135,9 +137,7 @@ py::object to_py(const c10::IValue& value, const c10::Type& type) {
   return torch::jit::toPyObject(value);
 }
 
-py::tuple to_py_tuple(
-    c10::ArrayRef<c10::IValue> values,
-    const std::vector<c10::Argument>& schema) {
+py::tuple to_py_tuple(c10::ArrayRef<c10::IValue> values, const std::vector<c10::Argument>& schema) {
   TORCH_INTERNAL_ASSERT(values.size() == schema.size());
   py::tuple out(values.size());
   for (size_t i = 0; i < values.size(); ++i) {

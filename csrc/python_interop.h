@@ -109,9 +109,7 @@ py::object call_method(py::handle self, PyObject* name, std::initializer_list<py
 py::object to_py(const c10::IValue& value, const c10::Type& type);
 // One value per schema argument (or return), in order: `values[i]` has type
 // `schema[i].real_type()`.
-py::tuple to_py_tuple(
-    c10::ArrayRef<c10::IValue> values,
-    const std::vector<c10::Argument>& schema);
+py::tuple to_py_tuple(c10::ArrayRef<c10::IValue> values, const std::vector<c10::Argument>& schema);
 
 // NOTE [The function gets its arguments as torch passes them]
 // torch's Python kernels, and so torch.library.custom_op's function and its

@@ -30,9 +30,7 @@ namespace torch_autobatch {
 py::object OpState::opdef() const {
   PyObject* obj = PyWeakref_GetObject(opdef_weakref.get().ptr()); // borrowed
   TORCH_CHECK(
-      obj != nullptr && obj != Py_None,
-      "torch_autobatch: the operator object of ",
-      qualname,
+      obj != nullptr && obj != Py_None, "torch_autobatch: the operator object of ", qualname,
       " is gone (garbage-collected or redefined) while a kernel of it still "
       "ran. Keep a reference to the op while you use it.");
   return py::reinterpret_borrow<py::object>(obj);
@@ -99,8 +97,9 @@ class DefinitionListener final : public c10::OpRegistrationListener {
 void listen_once() {
   static const bool listening = [] {
     // The handle is leaked: the listener stays for the process.
-    new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().addRegistrationListener(
-        std::make_unique<DefinitionListener>()));
+    new c10::RegistrationHandleRAII(
+        c10::Dispatcher::singleton().addRegistrationListener(
+            std::make_unique<DefinitionListener>()));
     return true;
   }();
   (void)listening;
@@ -111,8 +110,7 @@ void remember(const std::shared_ptr<OpState>& state) {
   std::lock_guard<std::mutex> guard(r.mutex);
   auto& states = r.states[state->qualname];
   states.erase(
-      std::remove_if(
-          states.begin(), states.end(), [](const auto& w) { return w.expired(); }),
+      std::remove_if(states.begin(), states.end(), [](const auto& w) { return w.expired(); }),
       states.end());
   states.push_back(state);
 }
@@ -124,9 +122,7 @@ std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opd
   const auto sep = qualname.find("::");
   TORCH_CHECK(
       sep != std::string::npos,
-      "torch_autobatch: expected a qualified name 'namespace::name', got '",
-      qualname,
-      "'");
+      "torch_autobatch: expected a qualified name 'namespace::name', got '", qualname, "'");
   // "ns::name" or "ns::name.overload", as torch.library.custom_op takes it.
   const auto name = qualname.substr(sep + 2);
   const auto dot = name.find('.');
@@ -164,11 +160,9 @@ std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opd
   // All or nothing: if an impl fails, `lib` takes what it registered with it.
   auto lib = std::make_unique<torch::Library>(
       torch::Library::IMPL, qualname.substr(0, sep), std::nullopt, __FILE__, __LINE__);
+  lib->impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, autograd_kernel(state)));
   lib->impl(
-      name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, autograd_kernel(state)));
-  lib->impl(
-      name.c_str(),
-      torch::dispatch(c10::DispatchKey::FuncTorchBatched, batched_kernel(state)));
+      name.c_str(), torch::dispatch(c10::DispatchKey::FuncTorchBatched, batched_kernel(state)));
   {
     std::lock_guard<std::mutex> guard(state->lib_mutex);
     state->lib = std::move(lib);

@@ -94,7 +94,7 @@ bool composite_serves(const c10::OperatorHandle& op, c10::DispatchKeySet ks) {
   }
   const auto key = ks.highestPriorityTypeId();
   return c10::toFunctionalityKey(key) == c10::DispatchKey::Dense &&
-      !op.hasKernelForDispatchKey(key);
+         !op.hasKernelForDispatchKey(key);
 }
 
 // The Python function that CustomOpDef's CompositeExplicitAutograd kernel
@@ -144,9 +144,7 @@ void push_returns(
   }
   if (returns.empty()) {
     TORCH_CHECK(
-        out.is_none(),
-        "torch_autobatch: ",
-        state.qualname,
+        out.is_none(), "torch_autobatch: ", state.qualname,
         " declares no return value, but its function returned ",
         py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(),
         ". Return None, or declare the return in the schema.");
@@ -154,25 +152,13 @@ void push_returns(
   }
   TORCH_CHECK(
       py::isinstance<py::tuple>(out) || py::isinstance<py::list>(out),
-      "torch_autobatch: ",
-      state.qualname,
-      " declares ",
-      returns.size(),
-      " return values, so its function must return a tuple of ",
-      returns.size(),
-      "; it returned ",
-      py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(),
-      ".");
+      "torch_autobatch: ", state.qualname, " declares ", returns.size(),
+      " return values, so its function must return a tuple of ", returns.size(), "; it returned ",
+      py::str(py::type::handle_of(out).attr("__name__")).cast<std::string>(), ".");
   py::sequence seq = out;
   TORCH_CHECK(
-      seq.size() == returns.size(),
-      "torch_autobatch: ",
-      state.qualname,
-      " declares ",
-      returns.size(),
-      " return values, but its function returned ",
-      seq.size(),
-      ".");
+      seq.size() == returns.size(), "torch_autobatch: ", state.qualname, " declares ",
+      returns.size(), " return values, but its function returned ", seq.size(), ".");
   for (size_t r = 0; r < returns.size(); ++r) {
     torch::jit::push(*stack, torch::jit::toIValue(seq[r], returns[r].type()));
   }
@@ -214,9 +200,7 @@ void call_on_stack(
     kwnames = std::move(names);
   }
   PyObject* out = PyObject_Vectorcall(
-      fn.ptr(),
-      argv.data() + 1,
-      passed.num_positional | PY_VECTORCALL_ARGUMENTS_OFFSET,
+      fn.ptr(), argv.data() + 1, passed.num_positional | PY_VECTORCALL_ARGUMENTS_OFFSET,
       kwnames ? kwnames.ptr() : nullptr);
   if (out == nullptr) {
     throw py::error_already_set();

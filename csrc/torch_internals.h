@@ -65,7 +65,7 @@ inline void add_pre_hook(Node& n, std::unique_ptr<FunctionPreHook> hook) {
 
 inline bool is_accumulate_grad(const Node& n) {
   return n.sequence_nr() == kAccumulateGradSeq &&
-      dynamic_cast<const torch::autograd::AccumulateGrad*>(&n) != nullptr;
+         dynamic_cast<const torch::autograd::AccumulateGrad*>(&n) != nullptr;
 }
 
 // The leaf an AccumulateGrad accumulates into; nullptr if `n` is none.

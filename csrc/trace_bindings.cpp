@@ -6,10 +6,10 @@
 #include "python_interop.h"
 #include "trace_record.h"
 
+#include <c10/util/irange.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
-#include <c10/util/irange.h>
 
 #include <mutex>
 
@@ -50,11 +50,12 @@ py::list values_to_py(const std::vector<Value>& values) {
     for (const auto i : c10::irange(sizes.size())) {
       shape[i] = sizes[i];
     }
-    vs.append(py::make_tuple(
-        v.num, shape,
-        py::reinterpret_borrow<py::object>(
-            reinterpret_cast<PyObject*>(torch::getTHPDtype(v.layout.dtype))),
-        opt_index(v.node)));
+    vs.append(
+        py::make_tuple(
+            v.num, shape,
+            py::reinterpret_borrow<py::object>(
+                reinterpret_cast<PyObject*>(torch::getTHPDtype(v.layout.dtype))),
+            opt_index(v.node)));
   }
   return vs;
 }
@@ -70,9 +71,7 @@ py::list inputs_to_py(const std::vector<Input>& inputs) {
 py::list groups_to_py(const std::vector<Group>& groups) {
   py::list gs;
   for (const auto& g : groups) {
-    gs.append(py::make_tuple(
-        g.pass, *g.name, opt_index(g.node),
-        opt_index(g.value)));
+    gs.append(py::make_tuple(g.pass, *g.name, opt_index(g.node), opt_index(g.value)));
   }
   return gs;
 }
@@ -174,20 +173,18 @@ void bind_trace_tensors(TraceClass& cls) {
             const auto it = t.ids.find(x.unsafeGetTensorImpl());
             return it != t.ids.end() && t.values[it->second].layout.matches(x) ? it->second : -1;
           })
-      .def(
-          "input_tensor",
-          [](TraceImpl& t, int32_t k) -> py::object {
-            at::Tensor x;
-            {
-              const auto lock = lock_from_python(t);
-              const auto& input = t.inputs.at(k);
-              x = input.held.defined() ? input.held : at::Tensor(input.weak->lock());
-            }
-            if (!x.defined()) {
-              return py::none();
-            }
-            return py::reinterpret_steal<py::object>(THPVariable_Wrap(x));
-          });
+      .def("input_tensor", [](TraceImpl& t, int32_t k) -> py::object {
+        at::Tensor x;
+        {
+          const auto lock = lock_from_python(t);
+          const auto& input = t.inputs.at(k);
+          x = input.held.defined() ? input.held : at::Tensor(input.weak->lock());
+        }
+        if (!x.defined()) {
+          return py::none();
+        }
+        return py::reinterpret_steal<py::object>(THPVariable_Wrap(x));
+      });
 }
 
 // The thread's tracing state, and op names by id.

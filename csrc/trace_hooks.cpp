@@ -47,11 +47,10 @@ variable_list NodeHook::operator()(const variable_list& grads) {
   ensure_callback(s);
   const int64_t task = internals::current_graph_task_id();
   const auto node = internals::current_node();
-  trace->run_group({task, index, 0}, index, [&] {
-    return node ? node->name() : std::string("?");
-  });
+  trace->run_group({task, index, 0}, index, [&] { return node ? node->name() : std::string("?"); });
   auto& tasks = s.task_traces;
-  auto it = std::find_if(tasks.begin(), tasks.end(), [&](const auto& p) { return p.first == task; });
+  auto it =
+      std::find_if(tasks.begin(), tasks.end(), [&](const auto& p) { return p.first == task; });
   if (it == tasks.end()) {
     if (tasks.size() == 16) {
       tasks.erase(tasks.begin()); // the oldest

@@ -17,9 +17,9 @@
 namespace torch_autobatch::tracer {
 namespace {
 
-const c10::DispatchKeySet kTransformKeys({c10::DispatchKey::FuncTorchBatched,
-                                          c10::DispatchKey::FuncTorchGradWrapper,
-                                          c10::DispatchKey::BatchedNestedTensor});
+const c10::DispatchKeySet kTransformKeys(
+    {c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+     c10::DispatchKey::BatchedNestedTensor});
 
 std::mutex ops_mutex;
 std::deque<OpInfo> ops; // never shrinks: OpInfo addresses are stable
@@ -72,10 +72,11 @@ OpInfo* intern(const c10::OperatorName& name) {
           c10::DispatchKey::CompositeExplicitAutogradNonFunctional}) {
       transparent = transparent && !has(k);
     }
-    ops.push_back(OpInfo{static_cast<int32_t>(ops.size()), name.name, name.overload_name,
-                         transparent,
-                         name.name == "aten::lift_fresh" || name.name == "aten::lift",
-                         handle && handle->hasSchema() ? &handle->schema() : nullptr});
+    ops.push_back(
+        OpInfo{
+            static_cast<int32_t>(ops.size()), name.name, name.overload_name, transparent,
+            name.name == "aten::lift_fresh" || name.name == "aten::lift",
+            handle && handle->hasSchema() ? &handle->schema() : nullptr});
     op = &ops.back();
   }
   return op;
@@ -177,8 +178,7 @@ int32_t TraceImpl::saved_value(const at::Tensor& t) {
 int32_t TraceImpl::use(const at::Tensor& t, bool in_backward) {
   saw_transform = saw_transform || t.key_set().has_any(kTransformKeys);
   const auto it = ids.find(t.unsafeGetTensorImpl());
-  int32_t v = it != ids.end() && values[it->second].layout.matches(t) ? it->second
-                                                                       : saved_value(t);
+  int32_t v = it != ids.end() && values[it->second].layout.matches(t) ? it->second : saved_value(t);
   if (v < 0) {
     v = add_input(t, "", in_backward);
   }
@@ -196,8 +196,8 @@ int32_t TraceImpl::use(const at::Tensor& t, bool in_backward) {
   return v;
 }
 
-c10::IValue TraceImpl::record(const c10::IValue& iv, bool out, uint32_t pos, Refs& refs,
-                              bool in_backward) {
+c10::IValue
+TraceImpl::record(const c10::IValue& iv, bool out, uint32_t pos, Refs& refs, bool in_backward) {
   if (iv.isTensor()) {
     const auto& t = iv.toTensor();
     if (!t.defined()) {

@@ -96,7 +96,7 @@ struct Layout {
       return storage == nullptr;
     }
     return t.storage().unsafeGetStorageImpl() == storage && t.storage_offset() == offset &&
-        t.strides() == c10::IntArrayRef(strides);
+           t.strides() == c10::IntArrayRef(strides);
   }
 };
 
@@ -201,8 +201,8 @@ struct TraceImpl : std::enable_shared_from_this<TraceImpl> {
   // The value of `t` used as an op's input (`in_backward`: by a backward).
   int32_t use(const at::Tensor& t, bool in_backward = false);
   // Replaces the tensors in `iv` by their values' indices, noting where in `refs`.
-  c10::IValue record(const c10::IValue& iv, bool out, uint32_t pos, Refs& refs,
-                     bool in_backward = false);
+  c10::IValue
+  record(const c10::IValue& iv, bool out, uint32_t pos, Refs& refs, bool in_backward = false);
   int32_t pass_of(int64_t task);
 
   // The hook's node index if it hooks a node into this trace, else -1.

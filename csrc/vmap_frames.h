@@ -42,7 +42,7 @@ class ReenteredFrames {
   ReenteredFrames& operator=(const ReenteredFrames&) = delete;
 
   // Wraps each defined tensor of `ts` at every level, by the frame's `bdims`.
-  void enter(std::vector<at::Tensor>& ts, Bdims VmapFrame::*bdims) const {
+  void enter(std::vector<at::Tensor>& ts, Bdims VmapFrame::* bdims) const {
     for (size_t j = 0; j < frames_.size(); ++j) {
       const Bdims& dims = frames_[j].*bdims;
       for (size_t k = 0; k < ts.size(); ++k) {
@@ -55,7 +55,7 @@ class ReenteredFrames {
 
   // Pops every level, unwrapping each defined tensor of `ts` and moving its
   // batch dim to the frame's `bdims` (summing where that is none).
-  void leave(std::vector<at::Tensor>& ts, Bdims VmapFrame::*bdims) {
+  void leave(std::vector<at::Tensor>& ts, Bdims VmapFrame::* bdims) {
     for (size_t j = frames_.size(); j-- > 0;) {
       const VmapFrame& f = frames_[j];
       Bdims have(ts.size());

@@ -18,13 +18,8 @@ using functorch::RandomnessType;
 
 void check_loop_output(const OpState& state, const c10::IValue& out, size_t r) {
   TORCH_CHECK(
-      out.isTensor(),
-      "torch_autobatch: vmap=\"loop\" of ",
-      state.qualname,
-      " supports tensor outputs only; output ",
-      r,
-      " is a ",
-      out.tagKind());
+      out.isTensor(), "torch_autobatch: vmap=\"loop\" of ", state.qualname,
+      " supports tensor outputs only; output ", r, " is a ", out.tagKind());
 }
 
 // A batch of no examples: the outputs have the shapes one example would
@@ -53,8 +48,9 @@ void run_loop_empty(
         const bool is_batched = batched[a][k];
         device = device.value_or(t.device());
         const auto sizes = is_batched ? t.sym_sizes().slice(1) : t.sym_sizes();
-        return on_meta ? at::empty_symint(sizes, t.options().device(c10::kMeta))
-                       : is_batched ? at::zeros_symint(sizes, t.options()) : t;
+        return on_meta      ? at::empty_symint(sizes, t.options().device(c10::kMeta))
+               : is_batched ? at::zeros_symint(sizes, t.options())
+                            : t;
       }));
     }
     op.callBoxed(call);
@@ -69,16 +65,11 @@ void run_loop_empty(
       outs = one_example(/*on_meta=*/false);
     } catch (const std::exception& on_zeros) {
       TORCH_CHECK(
-          false,
-          "torch_autobatch: vmap=\"loop\" of ",
-          state.qualname,
+          false, "torch_autobatch: vmap=\"loop\" of ", state.qualname,
           " over a batch of size 0 needs the shapes of one example's outputs. The "
           "op's fake kernel failed on meta tensors:\n",
-          why,
-          "\nand its function failed on zeros of one example's shape:\n",
-          on_zeros.what(),
-          "\nRegister a fake kernel with ",
-          state.qualname.substr(state.qualname.find("::") + 2),
+          why, "\nand its function failed on zeros of one example's shape:\n", on_zeros.what(),
+          "\nRegister a fake kernel with ", state.qualname.substr(state.qualname.find("::") + 2),
           ".register_fake(fn) that returns empty tensors of the output shapes.");
     }
   }
@@ -90,8 +81,7 @@ void run_loop_empty(
       sizes.push_back(d);
     }
     const auto options = example.options().device(device.value_or(c10::Device(c10::kCPU)));
-    torch::jit::push(
-        *stack, functorch::makeBatched(at::empty_symint(sizes, options), 0, level));
+    torch::jit::push(*stack, functorch::makeBatched(at::empty_symint(sizes, options), 0, level));
   }
 }
 
@@ -126,12 +116,14 @@ bool trace_keeps_op(
   if (why.empty() && layer.randomness() == RandomnessType::Same) {
     // Restoring the generators between examples (as run_loop does eagerly)
     // is not in the graph: its replay would draw each example's own numbers.
-    why = "that draws random numbers per example, and this vmap has "
-          "randomness=\"same\"";
+    why =
+        "that draws random numbers per example, and this vmap has "
+        "randomness=\"same\"";
   }
   if (why.empty() && !layer.batchSize().maybe_as_int().has_value()) {
-    why = "that needs a static batch size, and this one is symbolic (a dynamic "
-          "batch dim of torch.export, make_fx's tracing_mode=\"symbolic\")";
+    why =
+        "that needs a static batch size, and this one is symbolic (a dynamic "
+        "batch dim of torch.export, make_fx's tracing_mode=\"symbolic\")";
   }
   if (why.empty()) {
     return true;
@@ -164,8 +156,7 @@ void run_loop(
   const size_t num_args = schema.arguments().size();
   const size_t num_returns = schema.returns().size();
   const int64_t batch_size = layer.batchSize().guard_int(__FILE__, __LINE__);
-  std::vector<c10::IValue> args(
-      stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
+  std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(num_args), stack->end());
   torch::jit::drop(*stack, num_args);
   const std::vector<c10::IValue> batched_args =
       state.returns_an_argument ? args : std::vector<c10::IValue>{};

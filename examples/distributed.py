@@ -92,8 +92,7 @@ def one_step(model, module, x, y):
 def worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         model, x, y = make_data()  # the same seed: the same initial parameters on each rank
         shard = slice(rank * BATCH // WORLD_SIZE, (rank + 1) * BATCH // WORLD_SIZE)
@@ -101,8 +100,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         psg = per_sample_grads(model, x, y)  # functional_call on DDP's module
         grads, params = one_step(ddp, model, x, y)
-        torch.save({"grads": grads, "params": params, "per_sample": psg},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"grads": grads, "params": params, "per_sample": psg}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -138,13 +136,13 @@ def main() -> None:
         for r in results:
             torch.testing.assert_close(r["grads"][k], grads[k], **close)
             torch.testing.assert_close(r["params"][k], params[k], **close)
-        torch.testing.assert_close(torch.cat([r["per_sample"][k] for r in results]), psg[k],
-                                   **close)
+        torch.testing.assert_close(torch.cat([r["per_sample"][k] for r in results]), psg[k], **close)
         torch.testing.assert_close(psg[k].mean(0), grads[k], **close)
-    print(f"ok  DDP (gloo, {WORLD_SIZE} processes) gradients and updated parameters "
-          f"== one process on the whole batch of {BATCH}")
-    print("ok  per-sample gradients (vmap(grad)) in each worker == single-process ones; "
-          "their mean == the gradient")
+    print(
+        f"ok  DDP (gloo, {WORLD_SIZE} processes) gradients and updated parameters "
+        f"== one process on the whole batch of {BATCH}"
+    )
+    print("ok  per-sample gradients (vmap(grad)) in each worker == single-process ones; their mean == the gradient")
     print(f"ok  finished in {time.perf_counter() - start:.1f} s")
 
 

@@ -68,8 +68,7 @@ def loop_grads(model, params, X, Y):
     """The oracle: torch.autograd.grad once per example, stacked."""
     loss = make_loss(model)
     leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-    per_example = [torch.autograd.grad(loss(leaves, x, y), list(leaves.values()))
-                   for x, y in zip(X, Y)]
+    per_example = [torch.autograd.grad(loss(leaves, x, y), list(leaves.values())) for x, y in zip(X, Y)]
     return {k: torch.stack([g[i] for g in per_example]) for i, k in enumerate(leaves)}
 
 
@@ -79,8 +78,11 @@ def clip_and_noise(per_sample, clip_norm, noise_multiplier, generator):
     factor = (clip_norm / (norms + 1e-6)).clamp(max=1.0)
     batch = norms.shape[0]
     clipped = {k: g * factor.view(-1, *[1] * (g.dim() - 1)) for k, g in per_sample.items()}
-    noisy = {k: (g.sum(0) + noise_multiplier * clip_norm * torch.randn(
-        g.shape[1:], dtype=g.dtype, generator=generator)) / batch for k, g in clipped.items()}
+    noisy = {
+        k: (g.sum(0) + noise_multiplier * clip_norm * torch.randn(g.shape[1:], dtype=g.dtype, generator=generator))
+        / batch
+        for k, g in clipped.items()
+    }
     return norms, clipped, noisy
 
 
@@ -113,8 +115,10 @@ def main() -> None:
     for k in params:
         assert per_sample[k].shape == (batch, *params[k].shape), k
         torch.testing.assert_close(per_sample[k], expected[k], rtol=1e-10, atol=1e-12)
-    print(f"ok  vmap(grad) per-sample gradients ({batch} examples, {len(params)} tensors) "
-          "== per-example torch.autograd.grad loop; custom backward ran once under vmap")
+    print(
+        f"ok  vmap(grad) per-sample gradients ({batch} examples, {len(params)} tensors) "
+        "== per-example torch.autograd.grad loop; custom backward ran once under vmap"
+    )
 
     # 2. The registered backward is the swish derivative: the same model with a plain swish.
     plain = MLP(swish_plain).double()
@@ -125,10 +129,8 @@ def main() -> None:
     print("ok  custom backward == autograd of the plain-function model")
 
     # 3. DP-SGD: per-sample clipping to norm C, Gaussian noise, one SGD step.
-    norms, clipped, noisy = clip_and_noise(per_sample, clip_norm, noise_multiplier,
-                                           torch.Generator().manual_seed(1))
-    _, clipped_loop, _ = clip_and_noise(expected, clip_norm, noise_multiplier,
-                                        torch.Generator().manual_seed(1))
+    norms, clipped, noisy = clip_and_noise(per_sample, clip_norm, noise_multiplier, torch.Generator().manual_seed(1))
+    _, clipped_loop, _ = clip_and_noise(expected, clip_norm, noise_multiplier, torch.Generator().manual_seed(1))
     clipped_norms = torch.stack([g.flatten(1).norm(dim=1) for g in clipped.values()]).norm(dim=0)
     assert (clipped_norms <= clip_norm + 1e-9).all(), clipped_norms.max()
     small = norms <= clip_norm  # left as they were
@@ -139,14 +141,18 @@ def main() -> None:
     new_params = {k: p - 0.1 * noisy[k] for k, p in params.items()}  # the DP-SGD update
     assert all(not torch.equal(new_params[k], params[k]) for k in params)
     n_clipped = int((~small).sum())
-    print(f"ok  clipped {n_clipped}/{batch} per-sample gradients to norm <= {clip_norm}, "
-          f"added noise (sigma = {noise_multiplier} * C), took one SGD step")
+    print(
+        f"ok  clipped {n_clipped}/{batch} per-sample gradients to norm <= {clip_norm}, "
+        f"added noise (sigma = {noise_multiplier} * C), took one SGD step"
+    )
 
     # 4. Speed: one batched call against the Python loop.
     t_vmap = best_of(lambda: per_sample_fn(params, X, Y))
     t_loop = best_of(lambda: loop_grads(model, params, X, Y))
-    print(f"ok  batch {batch}: vmap(grad) {t_vmap * 1e3:.2f} ms, loop {t_loop * 1e3:.2f} ms, "
-          f"speed-up {t_loop / t_vmap:.1f}x")
+    print(
+        f"ok  batch {batch}: vmap(grad) {t_vmap * 1e3:.2f} ms, loop {t_loop * 1e3:.2f} ms, "
+        f"speed-up {t_loop / t_vmap:.1f}x"
+    )
 
 
 if __name__ == "__main__":

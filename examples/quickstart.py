@@ -8,7 +8,6 @@ from torch.func import grad, jacrev, vjp, vmap
 
 import torch_autobatch
 
-
 CALLS = [0]
 
 
@@ -58,12 +57,18 @@ def main() -> None:
             lambda: vjp(lambda x: softclip(x, 2.0), x.detach())[1](torch.ones(8, dtype=x.dtype))[0],
             lambda: vjp(lambda x: reference(x, 2.0), x.detach())[1](torch.ones(8, dtype=x.dtype))[0],
         ),
-        "jacrev": (lambda: jacrev(lambda x: softclip(x, 2.0))(x.detach()),
-                   lambda: jacrev(lambda x: reference(x, 2.0))(x.detach())),
-        "hessian (jacrev(jacrev))": (lambda: jacrev(jacrev(loss))(x.detach()),
-                                     lambda: jacrev(jacrev(ref_loss))(x.detach())),
-        "vmap(grad) per-sample": (lambda: vmap(grad(loss))(x.detach().view(2, 4)),
-                                  lambda: vmap(grad(ref_loss))(x.detach().view(2, 4))),
+        "jacrev": (
+            lambda: jacrev(lambda x: softclip(x, 2.0))(x.detach()),
+            lambda: jacrev(lambda x: reference(x, 2.0))(x.detach()),
+        ),
+        "hessian (jacrev(jacrev))": (
+            lambda: jacrev(jacrev(loss))(x.detach()),
+            lambda: jacrev(jacrev(ref_loss))(x.detach()),
+        ),
+        "vmap(grad) per-sample": (
+            lambda: vmap(grad(loss))(x.detach().view(2, 4)),
+            lambda: vmap(grad(ref_loss))(x.detach().view(2, 4)),
+        ),
     }
     for name, (got, want) in checks.items():
         torch.testing.assert_close(got(), want())

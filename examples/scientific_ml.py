@@ -34,7 +34,7 @@ def pair_terms(x: torch.Tensor, sigma: float):
 
 def energy_plain(x: torch.Tensor, epsilon: float = 1.0, sigma: float = 1.0) -> torch.Tensor:
     _, s2, _, off = pair_terms(x, sigma)
-    s6 = s2 ** 3
+    s6 = s2**3
     return 0.5 * (4 * epsilon * (s6 * s6 - s6) * off).sum((-1, -2))  # 0.5: each pair twice
 
 
@@ -47,7 +47,7 @@ def lj_energy(x: torch.Tensor, epsilon: float, sigma: float) -> torch.Tensor:
 def energy_grad(x: torch.Tensor, epsilon: float, sigma: float) -> torch.Tensor:
     """dE/dx_i = sum_j 2 f'(r2_ij) d_ij, with f(r2) = 4 eps ((s2/r2)^6 - (s2/r2)^3)."""
     d, s2, r2, off = pair_terms(x, sigma)
-    s6 = s2 ** 3
+    s6 = s2**3
     f_prime = 4 * epsilon * (-6 * s6 * s6 + 3 * s6) / r2 * off
     return 2 * (f_prime.unsqueeze(-1) * d).sum(-2)
 
@@ -110,30 +110,30 @@ def main() -> None:
     print("ok  jvp: registered JVP == plain function == -<forces, tangent>")
 
     want_hessian = hessian(energy_plain)(x)
-    for name, transform, rule in [("hessian", hessian, "vjp"),  # jacfwd(jacrev)
-                                  ("jacrev(jacrev)", lambda f: jacrev(jacrev(f)), "vjp"),
-                                  ("jacfwd(jacfwd)", lambda f: jacfwd(jacfwd(f)), "jvp")]:
+    for name, transform, rule in [
+        ("hessian", hessian, "vjp"),  # jacfwd(jacrev)
+        ("jacrev(jacrev)", lambda f: jacrev(jacrev(f)), "vjp"),
+        ("jacfwd(jacfwd)", lambda f: jacfwd(jacfwd(f)), "jvp"),
+    ]:
         CALLS.update(vjp=0, jvp=0)
         got = transform(op)(x)
         assert got.shape == (8, 3, 8, 3) and CALLS[rule] > 0, (name, got.shape, CALLS)
         torch.testing.assert_close(got, want_hessian, **close)
     flat = want_hessian.reshape(24, 24)
     torch.testing.assert_close(flat, flat.T, **close)
-    torch.testing.assert_close(want_hessian.sum(2), torch.zeros(8, 3, 3, dtype=x.dtype),
-                               rtol=0, atol=1e-8)
-    print("ok  Hessian (8, 3, 8, 3) by hessian, jacrev(jacrev) (registered VJP), jacfwd(jacfwd) "
-          "(registered JVP) == plain function; symmetric; rows sum to 0")
+    torch.testing.assert_close(want_hessian.sum(2), torch.zeros(8, 3, 3, dtype=x.dtype), rtol=0, atol=1e-8)
+    print(
+        "ok  Hessian (8, 3, 8, 3) by hessian, jacrev(jacrev) (registered VJP), jacfwd(jacfwd) "
+        "(registered JVP) == plain function; symmetric; rows sum to 0"
+    )
 
     batch = torch.stack([configuration(gen) for _ in range(32)])
     CALLS.update(forward=0, vjp=0, jvp=0)
     batched_forces = vmap(lambda x: -grad(op)(x))(batch)
     assert CALLS == {"forward": 1, "vjp": 1, "jvp": 0}, CALLS  # once each, batched
-    torch.testing.assert_close(batched_forces, vmap(lambda x: -grad(energy_plain)(x))(batch),
-                               **close)
-    torch.testing.assert_close(batched_forces, torch.stack([-grad(op)(c) for c in batch]),
-                               **close)
-    print("ok  vmap(forces) over 32 configurations: the op and its VJP ran once, batched; "
-          "== plain function == loop")
+    torch.testing.assert_close(batched_forces, vmap(lambda x: -grad(energy_plain)(x))(batch), **close)
+    torch.testing.assert_close(batched_forces, torch.stack([-grad(op)(c) for c in batch]), **close)
+    print("ok  vmap(forces) over 32 configurations: the op and its VJP ran once, batched; == plain function == loop")
 
 
 if __name__ == "__main__":

@@ -49,14 +49,15 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
+from oracles import vmap_loop
 from torch.func import jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import torch_autobatch
-from oracles import vmap_loop
 
 NS = "tab_conf"
 B = 3
@@ -406,14 +407,19 @@ def check_pair(runner: Runner, transform: str, kind: str, randomness: str = "err
         actual = under(case.ours)
     except Exception as e:  # noqa: BLE001
         if transform in RECOMPUTES_UNDER_VMAP and case.variant == "func" and runner.plain_vmap_error:
-            return res("torch", "the harness's backward recomputes the function under vmap, where "
-                       f"torch fails: {runner.plain_vmap_error}")
+            return res(
+                "torch",
+                "the harness's backward recomputes the function under vmap, where "
+                f"torch fails: {runner.plain_vmap_error}",
+            )
         if transform in FORWARD_MODE and runner.plain_jvp_error == _first_line(e):
             # Derived forward mode is torch's forward AD of the function, which
             # fails on this sample (sdpa picks its flash kernel when no input
             # requires grad); the plain function escapes only where a grad
             # level above it makes sdpa pick another kernel (jvp(vjp)).
-            return res("torch", f"derived forward mode is torch's jvp of the function, which fails: {runner.plain_jvp_error}")
+            return res(
+                "torch", f"derived forward mode is torch's jvp of the function, which fails: {runner.plain_jvp_error}"
+            )
         return res("error", _first_line(e))
     if kind == "nondeterministic":
         a, _ = tree_flatten(actual)
@@ -443,8 +449,16 @@ def check_case(case: Case) -> list[Result]:
             results.extend(check_pair(runner, transform, kind, r) for r in RANDOMNESS)
             continue
         if kind == "random" and transform not in ("eager", "jvp"):
-            results.append(Result(op_key(case.opinfo), case.index, case.variant, transform, "skip",
-                                  "random op: checked by eager, jvp and vmap under each randomness"))
+            results.append(
+                Result(
+                    op_key(case.opinfo),
+                    case.index,
+                    case.variant,
+                    transform,
+                    "skip",
+                    "random op: checked by eager, jvp and vmap under each randomness",
+                )
+            )
             continue
         results.append(check_pair(runner, transform, kind))
     return results
@@ -537,7 +551,16 @@ def sweep(names: Sequence[str], max_samples: Optional[int], jobs: int, out: str,
             if p.returncode != 0:
                 last = done[-1] if done else pending[i][0]
                 stderr = (p.stderr.read().decode(errors="replace") if p.stderr else "").strip().splitlines()
-                crashed.append(Result(last, -1, "-", "process", "error", f"worker died (rc {p.returncode}): {stderr[-1] if stderr else ''}"[:300]))
+                crashed.append(
+                    Result(
+                        last,
+                        -1,
+                        "-",
+                        "process",
+                        "error",
+                        f"worker died (rc {p.returncode}): {stderr[-1] if stderr else ''}"[:300],
+                    )
+                )
                 rest = pending[i][pending[i].index(last) + 1 :]
                 if rest:
                     pending[i] = rest
@@ -594,8 +617,12 @@ def write_markdown(results: Sequence[Result], path: str, meta: dict[str, Any]) -
         "",
     ]
     reasons = collections.Counter(_torch_reason(r.detail) for r in results if r.status == "torch")
-    lines += ["Pairs that are torch's (the plain function fails there, or is not reproducible):", "",
-              "| reason | pairs |", "|---|---:|"]
+    lines += [
+        "Pairs that are torch's (the plain function fails there, or is not reproducible):",
+        "",
+        "| reason | pairs |",
+        "|---|---:|",
+    ]
     lines += [f"| {reason} | {n} |" for reason, n in reasons.most_common()]
     lines.append("")
     lines += [
@@ -605,7 +632,7 @@ def write_markdown(results: Sequence[Result], path: str, meta: dict[str, Any]) -
         "the plain function fails in its own derivative formula (batch norm's running stats), the "
         "harness's backward fails in the vjp it computes. op_db seeds its random ops inside the "
         "call (`wrapper_set_seed`), so the sweep sees them as deterministic; random streams "
-        "(`randomness=\"same\"`/`\"different\"` values, derived tangents drawing the primal's "
+        '(`randomness="same"`/`"different"` values, derived tangents drawing the primal\'s '
         "mask) are checked in `test/test_nested_transforms.py` and `test/test_forward_mode.py`.",
         "",
     ]
@@ -615,7 +642,12 @@ def write_markdown(results: Sequence[Result], path: str, meta: dict[str, Any]) -
     lines.append("")
     bad = [r for r in results if r.status in ("error", "mismatch")]
     if bad:
-        lines += ["## Errors and mismatches", "", "| op | sample | variant | transform | status | detail |", "|---|---:|---|---|---|---|"]
+        lines += [
+            "## Errors and mismatches",
+            "",
+            "| op | sample | variant | transform | status | detail |",
+            "|---|---:|---|---|---|---|",
+        ]
         lines += [f"| {r.op} | {r.sample} | {r.variant} | {r.transform} | {r.status} | {_md(r.detail)} |" for r in bad]
         lines.append("")
     lines += [
@@ -631,7 +663,9 @@ def write_markdown(results: Sequence[Result], path: str, meta: dict[str, Any]) -
         oc = summarize(rs)
         reason = next((r.detail for r in rs if r.status == "torch"), "")
         n = len({r.sample for r in rs if r.sample >= 0})
-        lines.append(f"| {op} | {n} | {oc['pass']} | {oc['torch']} | {oc['skip']} | {oc['error']} | {oc['mismatch']} | {_md(reason[:120])} |")
+        lines.append(
+            f"| {op} | {n} | {oc['pass']} | {oc['torch']} | {oc['skip']} | {oc['error']} | {oc['mismatch']} | {_md(reason[:120])} |"
+        )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -644,7 +678,10 @@ def _torch_reason(detail: str) -> str:
         ("plain fails", "the plain function fails; ours fails the same way"),
         ("plain disagrees", "the plain function under vmap disagrees with its own per-example loop"),
         ("the plain function is nondeterministic", "the plain function disagrees with itself on reruns"),
-        ("the harness's backward", "the harness's backward recomputes the function under vmap, which torch cannot batch"),
+        (
+            "the harness's backward",
+            "the harness's backward recomputes the function under vmap, which torch cannot batch",
+        ),
         ("derived forward mode", "torch's jvp of the function fails (derived forward mode)"),
     ):
         if detail.startswith(prefix):

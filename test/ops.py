@@ -28,12 +28,13 @@ Each :class:`OpEntry` has:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
+from oracles import DTYPE, twice_grad
 
 import torch_autobatch
-from oracles import DTYPE, twice_grad
 
 NS = "tab_test"
 
@@ -262,9 +263,7 @@ def _exp_permute_ref(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
     return torch.exp(x).permute(dims).contiguous()
 
 
-exp_permute = torch_autobatch.custom_op(f"{NS}::exp_permute", mutates_args=())(
-    _exp_permute_ref
-)
+exp_permute = torch_autobatch.custom_op(f"{NS}::exp_permute", mutates_args=())(_exp_permute_ref)
 
 
 def _exp_permute_setup(ctx, inputs, output):
@@ -288,18 +287,14 @@ def _exp_permute_samples() -> list[Sample]:
 
 # --------------------------------------------------------------------------
 # tanh_linear: an optional tensor argument (bias), called with and without.
-def _tanh_linear_ref(
-    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
-) -> torch.Tensor:
+def _tanh_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     z = x @ w.T
     if bias is not None:
         z = z + bias
     return torch.tanh(z)
 
 
-tanh_linear = torch_autobatch.custom_op(f"{NS}::tanh_linear", mutates_args=())(
-    _tanh_linear_ref
-)
+tanh_linear = torch_autobatch.custom_op(f"{NS}::tanh_linear", mutates_args=())(_tanh_linear_ref)
 
 
 def _tanh_linear_setup(ctx, inputs, output):
@@ -370,9 +365,7 @@ def _weighted_sin_sum_ref(xs: list[torch.Tensor], weights: list[float]) -> torch
     return out
 
 
-weighted_sin_sum = torch_autobatch.custom_op(f"{NS}::weighted_sin_sum", mutates_args=())(
-    _weighted_sin_sum_ref
-)
+weighted_sin_sum = torch_autobatch.custom_op(f"{NS}::weighted_sin_sum", mutates_args=())(_weighted_sin_sum_ref)
 
 
 def _weighted_sin_sum_setup(ctx, inputs, output):
@@ -386,9 +379,7 @@ def _weighted_sin_sum_backward(ctx, grad):
     return grads, None
 
 
-weighted_sin_sum.register_autograd(
-    _weighted_sin_sum_backward, setup_context=_weighted_sin_sum_setup
-)
+weighted_sin_sum.register_autograd(_weighted_sin_sum_backward, setup_context=_weighted_sin_sum_setup)
 
 
 def _weighted_sin_sum_samples() -> list[Sample]:
@@ -405,9 +396,7 @@ def _split_sincos_ref(x: torch.Tensor, split: int) -> list[torch.Tensor]:
     return [torch.sin(x[..., :split]), x[..., split:] * torch.cos(x[..., split:])]
 
 
-split_sincos = torch_autobatch.custom_op(f"{NS}::split_sincos", mutates_args=())(
-    _split_sincos_ref
-)
+split_sincos = torch_autobatch.custom_op(f"{NS}::split_sincos", mutates_args=())(_split_sincos_ref)
 
 
 def _split_sincos_setup(ctx, inputs, output):
@@ -439,9 +428,7 @@ def _kwonly_affine_ref(x: torch.Tensor, *, w: torch.Tensor, shift: float = 0.0) 
     return torch.sin(x) * w + shift
 
 
-kwonly_affine = torch_autobatch.custom_op(f"{NS}::kwonly_affine", mutates_args=())(
-    _kwonly_affine_ref
-)
+kwonly_affine = torch_autobatch.custom_op(f"{NS}::kwonly_affine", mutates_args=())(_kwonly_affine_ref)
 
 
 def _kwonly_affine_setup(ctx, inputs, output):

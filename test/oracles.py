@@ -34,7 +34,8 @@ sure of it and re-exports these names too).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_map, tree_unflatten

@@ -15,9 +15,11 @@ same op made with ``torch.library.custom_op`` gives its function, eagerly.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from oracles import unique_op_name
 from torch.func import grad, jvp, vmap
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -27,7 +29,6 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
-from oracles import unique_op_name
 
 _T = torch.ones(2)
 
@@ -253,9 +254,7 @@ class TestArgumentTypes(TestCase):
         seen = rec.take()
         self.assertTrue(must_run <= {where for where, _ in seen}, msg=f"{path}: ran {seen}")
         for where, got in seen:
-            self.assertEqual(
-                got, expected(case_id, kwarg_only, where), msg=f"{case_id} on {path}, in the {where}"
-            )
+            self.assertEqual(got, expected(case_id, kwarg_only, where), msg=f"{case_id} on {path}, in the {where}")
 
     @parametrize("path", list(PATHS))
     @parametrize("case_id", CASE_IDS)

@@ -21,7 +21,9 @@ class TestBenchmarkCommands(TestCase):
         with tempfile.TemporaryDirectory() as out:
             proc = subprocess.run(
                 [sys.executable, str(BENCH / "run.py"), "--quick", "--only", "overhead", "--out", out],
-                capture_output=True, text=True, timeout=600,
+                capture_output=True,
+                text=True,
+                timeout=600,
             )
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             self.assertTrue((Path(out) / "benchmarks.md").exists())
@@ -35,7 +37,9 @@ class TestBenchmarkCommands(TestCase):
     def test_call_path(self) -> None:
         proc = subprocess.run(
             [sys.executable, str(BENCH / "bench_call_path.py"), "--rounds", "1", "--min-run-time", "0.01"],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertEqual(proc.stdout.count("torch_autobatch.custom_op"), 2)

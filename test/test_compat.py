@@ -49,9 +49,7 @@ class TestTorchVersionCheck(TestCase):
                 f"TORCH_AUTOBATCH_ALLOW_UNTESTED_TORCH=1",
             ):
                 _compat.check_torch_version(version, version)
-            with self.assertWarnsRegex(
-                torch_autobatch.UntestedTorchWarning, f"but torch {version} is running"
-            ):
+            with self.assertWarnsRegex(torch_autobatch.UntestedTorchWarning, f"but torch {version} is running"):
                 _compat.check_torch_version(version, version, allow_untested=True)
 
     def _import_with_torch_version(
@@ -76,9 +74,7 @@ class TestTorchVersionCheck(TestCase):
         env.pop(_compat.ALLOW_UNTESTED_ENV, None)
         if allow:
             env[_compat.ALLOW_UNTESTED_ENV] = "1"
-        return subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-        )
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
     def test_importing_with_another_torch_than_built_against(self):
         # A release inside the window that is no real build's.

@@ -10,14 +10,15 @@ the oracle is the plain function with a 2x backward.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from oracles import twice_grad
 from torch.func import vjp, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from oracles import twice_grad
 
 TIMEOUT = 30.0
 
@@ -80,6 +81,7 @@ def _run(targets: dict[str, Callable[[], Any]], started: Callable[[str], None] =
                 results[name] = fn()
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
+
         return run
 
     for name, fn in targets.items():
@@ -145,9 +147,7 @@ class TestSavedTensorsPerCall(TestCase):
             if name == "first":
                 assert inter[0].first_in.wait(TIMEOUT)
 
-        results = _run(
-            {"first": lambda: vmap(pullback)(gs)[0], "second": lambda: pullback(g)[0]}, started
-        )
+        results = _run({"first": lambda: vmap(pullback)(gs)[0], "second": lambda: pullback(g)[0]}, started)
         inter.clear()
         _, ref_pullback = vjp(vmap(twice_grad(_ref)), x)
         self.assertEqual(results["first"], vmap(ref_pullback)(gs)[0])

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import warnings
 
+import conformance
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
 )
-
-import conformance
 
 # Chosen to cover what the sweep found: elementwise and broadcasting, reductions
 # with integer outputs, linear algebra, TensorList inputs and outputs, views,

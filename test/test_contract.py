@@ -7,10 +7,10 @@ true derivative (2x) prove they are honoured rather than bypassed.
 from __future__ import annotations
 
 import torch
+from oracles import check_same_as_plain, twice, vmap_loop
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from oracles import check_same_as_plain, twice, vmap_loop
 
 NS = "tab_contract"
 
@@ -35,9 +35,7 @@ def _split_copy_vmap(info, in_dims, x, splits, dim):
 
 # An op returning (List[Tensor], int), with out_dims a pytree matching it.
 @torch_autobatch.custom_op(f"{NS}::split_copy_with_int", mutates_args=())
-def split_copy_with_int(
-    x: torch.Tensor, splits: list[int], dim: int
-) -> tuple[list[torch.Tensor], int]:
+def split_copy_with_int(x: torch.Tensor, splits: list[int], dim: int) -> tuple[list[torch.Tensor], int]:
     return [t.clone() for t in torch.tensor_split(x, splits, dim)], len(splits)
 
 
@@ -64,9 +62,7 @@ def _mul_scalar_setup(ctx, inputs, keyword_only_inputs, output):
     ctx.scalar = keyword_only_inputs["scalar"]
 
 
-mul_scalar.register_autograd(
-    lambda ctx, grad: 2 * grad * ctx.scalar, setup_context=_mul_scalar_setup
-)
+mul_scalar.register_autograd(lambda ctx, grad: 2 * grad * ctx.scalar, setup_context=_mul_scalar_setup)
 
 
 @mul_scalar.register_vmap
@@ -135,9 +131,7 @@ class TestVmapRuleContract(TestCase):
 
     def test_pytree_out_dims(self):
         x = _x(3, 2, 9)
-        parts, n = torch.vmap(split_copy_with_int, in_dims=(0, None, None), out_dims=(0, None))(
-            x, [1, 3, 6], 1
-        )
+        parts, n = torch.vmap(split_copy_with_int, in_dims=(0, None, None), out_dims=(0, None))(x, [1, 3, 6], 1)
         self.assertEqual(n, 3)
         self.assertEqual([tuple(o.shape) for o in parts], [(3, 2, 1), (3, 2, 2), (3, 2, 3), (3, 2, 3)])
 
@@ -164,8 +158,9 @@ class TestVmapRuleContract(TestCase):
             return x.sin(), in_dims[0]
 
         torch.library.register_vmap(f"{NS}::by_name", rule)
-        by_name.register_autograd(lambda ctx, g: 2 * g * ctx.x.cos(),
-                                  setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0]))
+        by_name.register_autograd(
+            lambda ctx, g: 2 * g * ctx.x.cos(), setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0])
+        )
         x = _x(5, 2)
         self.assertEqual(torch.vmap(by_name)(x), x.sin())
         self.assertEqual(calls, [5])
@@ -181,8 +176,9 @@ class TestSetupContextContract(TestCase):
         self.assertEqual(len(SEEN["inputs"]), 1)
         self.assertIs(SEEN["inputs"][0], x)
         self.assertEqual(SEEN["keyword_only_inputs"], {"scalar": 3.0})
-        self.assertEqual(torch.func.grad(lambda x: mul_scalar(x, scalar=3.0).sum())(x.detach()),
-                         torch.full_like(x, 6.0))
+        self.assertEqual(
+            torch.func.grad(lambda x: mul_scalar(x, scalar=3.0).sum())(x.detach()), torch.full_like(x, 6.0)
+        )
 
     def test_positional_gradients_only_never_drop_a_keyword_only_tensors_gradient(self):
         @torch_autobatch.custom_op(f"{NS}::kw_tensor", mutates_args=())
@@ -225,13 +221,20 @@ class TestSetupContextContract(TestCase):
 
     def test_ctx_calls_that_do_not_fit_the_op_are_clear_errors(self):
         for name, setup, message in (
-            ("bad_mark", lambda ctx, i, o: ctx.mark_non_differentiable(i[0]),
-             "bad_mark passed ctx.mark_non_differentiable a value that is not one of the op's outputs"),
-            ("bad_dirty", lambda ctx, i, o: ctx.mark_dirty(i[0]),
-             "called ctx.mark_dirty, but tab_contract::bad_dirty mutates no input"),
+            (
+                "bad_mark",
+                lambda ctx, i, o: ctx.mark_non_differentiable(i[0]),
+                "bad_mark passed ctx.mark_non_differentiable a value that is not one of the op's outputs",
+            ),
+            (
+                "bad_dirty",
+                lambda ctx, i, o: ctx.mark_dirty(i[0]),
+                "called ctx.mark_dirty, but tab_contract::bad_dirty mutates no input",
+            ),
         ):
-            op = torch_autobatch.custom_op(f"{NS}::{name}", lambda x: x.sin(), mutates_args=(),
-                                           schema="(Tensor x) -> Tensor")
+            op = torch_autobatch.custom_op(
+                f"{NS}::{name}", lambda x: x.sin(), mutates_args=(), schema="(Tensor x) -> Tensor"
+            )
             op.register_autograd(lambda ctx, g: g, setup_context=setup)
             with self.assertRaisesRegex(RuntimeError, message):
                 op(_x(3).requires_grad_())
@@ -245,8 +248,9 @@ class TestSetupContextContract(TestCase):
         def np_sin(x: torch.Tensor) -> torch.Tensor:
             return torch.from_numpy(x.numpy().copy()).sin()
 
-        np_sin.register_autograd(lambda ctx, g: 2 * g * ctx.x.cos(),
-                                 setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0]))
+        np_sin.register_autograd(
+            lambda ctx, g: 2 * g * ctx.x.cos(), setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0])
+        )
         x = _x(3).requires_grad_()
         (g,) = torch.autograd.grad(np_sin(x).sum(), x)
         self.assertEqual(g, 2 * x.detach().cos())
@@ -283,11 +287,14 @@ class TestPythonCppBoundary(TestCase):
         from torch_autobatch._kernel_side import KernelSide
 
         side = _C._python_side_names()
-        op = torch_autobatch.custom_op(f"{NS}::boundary", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor")
+        op = torch_autobatch.custom_op(
+            f"{NS}::boundary", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
         ctx = BackwardContext((True,))
         called = {name for name, (nargs, on) in side.items() if on == "op" and nargs >= 0}
         defined = {
-            name for name, value in vars(KernelSide).items()
+            name
+            for name, value in vars(KernelSide).items()
             if name.startswith("_") and not name.startswith("__") and callable(value)
         }
         helpers = {"_split_args", "_call_setup_context", "_reject_dirty", "_reraise_assigned_saved_tensors"}
@@ -331,8 +338,7 @@ class TestTorchLibrarySurface(TestCase):
         x = _x(4)
         # torch's own Autograd kernel would fail here ("must override the setup_context").
         self.assertEqual(torch.func.grad(lambda x: reg_by_name(x).sum())(x), 2 * x.cos())
-        self.assertEqual(torch.vmap(torch.func.grad(lambda x: reg_by_name(x).sum()))(x[:, None]),
-                         2 * x.cos()[:, None])
+        self.assertEqual(torch.vmap(torch.func.grad(lambda x: reg_by_name(x).sum()))(x[:, None]), 2 * x.cos()[:, None])
 
     def test_register_fake_by_name(self):
         @torch_autobatch.custom_op(f"{NS}::fake_by_name", mutates_args=())

@@ -15,11 +15,14 @@ import functools
 import inspect
 import threading
 import typing
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch._dynamo
 import torch._dynamo.testing
+from ops import OPS, OpEntry
+from oracles import DTYPE, twice_grad
 from torch.func import grad, grad_and_value, jacrev, vjp
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -30,8 +33,6 @@ from torch.testing._internal.common_utils import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import torch_autobatch
-from ops import OPS, OpEntry
-from oracles import DTYPE, twice_grad
 
 ALL_ARGNUMS = object()  # sentinel: differentiate w.r.t. every floating tensor argument
 
@@ -45,10 +46,7 @@ def weights_like(t: torch.Tensor) -> torch.Tensor:
 def split_sample(args: tuple[Any, ...], kwargs: dict[str, Any]):
     """The floating tensors of a sample (also inside lists/kwargs) and a way to put new ones in."""
     leaves, spec = tree_flatten((args, kwargs))
-    idx = [
-        i for i, leaf in enumerate(leaves)
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
-    ]
+    idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
 
     def rebuild(*tensors: torch.Tensor):
         new = list(leaves)
@@ -132,9 +130,7 @@ class TestCustomOpAutograd(TestCase):
             grads = torch.autograd.grad(loss(*tensors), tensors, create_graph=True)
             self.assertTrue(all(g.requires_grad for g in grads))
             grad_sum = sum((g * weights_like(g)).sum() for g in grads)
-            second = torch.autograd.grad(
-                grad_sum, tensors, allow_unused=True, materialize_grads=True
-            )
+            second = torch.autograd.grad(grad_sum, tensors, allow_unused=True, materialize_grads=True)
             return grads, second
 
         self._compare(entry, transform)
@@ -145,9 +141,7 @@ class TestCustomOpAutograd(TestCase):
 
     @parametrize("entry", OPS, name_fn=lambda e: e.name)
     def test_func_grad_and_value(self, entry: OpEntry):
-        self._compare(
-            entry, lambda f, loss, ts: grad_and_value(loss, argnums=argnums_of(ts))(*ts)
-        )
+        self._compare(entry, lambda f, loss, ts: grad_and_value(loss, argnums=argnums_of(ts))(*ts))
 
     @parametrize("entry", OPS, name_fn=lambda e: e.name)
     def test_func_vjp(self, entry: OpEntry):
@@ -188,9 +182,7 @@ class TestCustomOpAutograd(TestCase):
         def transform(f, loss, tensors):
             inner = grad(loss, argnums=argnums_of(tensors))(*tensors)
             total = sum((g * weights_like(g)).sum() for g in inner)
-            return inner, torch.autograd.grad(
-                total, tensors, allow_unused=True, materialize_grads=True
-            )
+            return inner, torch.autograd.grad(total, tensors, allow_unused=True, materialize_grads=True)
 
         self._compare(entry, transform)
 
@@ -220,9 +212,7 @@ class TestCustomOpAutograd(TestCase):
                 self.assertIsNone(out.grad_fn)
                 self.assertFalse(out.requires_grad)
 
-    @parametrize(
-        "entry", [e for e in OPS if e.int_outputs], name_fn=lambda e: e.name
-    )
+    @parametrize("entry", [e for e in OPS if e.int_outputs], name_fn=lambda e: e.name)
     def test_integer_outputs(self, entry: OpEntry):
         for args, kwargs in entry.sample_inputs():
             tensors, rebuild = split_sample(args, kwargs)
@@ -251,6 +241,7 @@ class TestCustomOpAutograd(TestCase):
     def test_unused_float_output_gets_zeros(self):
         # A floating output the loss does not use gets a zero gradient (not None).
         seen = []
+
         @torch_autobatch.custom_op("tab_test::unused_outputs", mutates_args=())
         def op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return x.sin(), x.cos(), x.exp()
@@ -322,11 +313,9 @@ class TestCustomOpAutograd(TestCase):
         from ops import _tanh_linear_ref, tanh_linear
 
         torch.manual_seed(0)
-        x, w, b = (torch.randn(3, 4, dtype=DTYPE), torch.randn(2, 4, dtype=DTYPE),
-                   torch.randn(2, dtype=DTYPE))
+        x, w, b = (torch.randn(3, 4, dtype=DTYPE), torch.randn(2, 4, dtype=DTYPE), torch.randn(2, dtype=DTYPE))
         oracle = twice_grad(_tanh_linear_ref)
-        for mask in ((True, False, False), (False, True, False), (False, False, True),
-                     (True, False, True)):
+        for mask in ((True, False, False), (False, True, False), (False, False, True), (True, False, True)):
             with self.subTest(mask=mask):
                 ins = [t.clone().requires_grad_(m) for t, m in zip((x, w, b), mask)]
                 ref = [t.clone().requires_grad_(m) for t, m in zip((x, w, b), mask)]
@@ -420,9 +409,7 @@ class TestCustomOpAutograd(TestCase):
         x = torch.randn(4, dtype=DTYPE, requires_grad=True)
         eye = torch.eye(4, dtype=DTYPE)
         (actual,) = torch.autograd.grad(softclip(x, 2.0), x, eye, is_grads_batched=True)
-        (expected,) = torch.autograd.grad(
-            twice_grad(_softclip_ref)(x, 2.0), x, eye, is_grads_batched=True
-        )
+        (expected,) = torch.autograd.grad(twice_grad(_softclip_ref)(x, 2.0), x, eye, is_grads_batched=True)
         self.assertEqual(actual, expected)
 
     def test_saved_tensors_hooks(self):
@@ -483,6 +470,7 @@ class TestCustomOpAutograd(TestCase):
                 with torch.no_grad():
                     a = fn(x, 2.0)
                 return (a * x).sum()
+
             return inner
 
         self.assertEqual(grad(f(softclip))(x), grad(f(oracle))(x))
@@ -541,7 +529,7 @@ class TestCustomOpAutograd(TestCase):
                 self.assertIsNone(ctxs[-1]())
 
     def test_zero_size_input(self):
-        from ops import _softclip_ref, softclip
+        from ops import softclip
 
         x = torch.randn(0, 3, dtype=DTYPE, requires_grad=True)
         softclip(x, 2.0).sum().backward()
@@ -549,9 +537,8 @@ class TestCustomOpAutograd(TestCase):
         self.assertEqual(grad(lambda x: softclip(x, 2.0).sum())(x.detach()), torch.zeros(0, 3, dtype=DTYPE))
 
     def test_checkpoint(self):
-        from torch.utils.checkpoint import checkpoint
-
         from ops import _sinmix_ref, sinmix
+        from torch.utils.checkpoint import checkpoint
 
         x, y = torch.randn(3, 4, dtype=DTYPE), torch.randn(3, 4, dtype=DTYPE)
         oracle = twice_grad(_sinmix_ref)
@@ -571,7 +558,7 @@ class TestCustomOpAutograd(TestCase):
         oracle = twice_grad(_sinmix_ref)
         v = (torch.randn(3, 4, dtype=DTYPE), torch.randn(3, 4, dtype=DTYPE))
         F = torch.autograd.functional
-        scalar = lambda fn: (lambda a, b: (fn(a, b) * weights_like(a)).sum())  # noqa: E731
+        scalar = lambda fn: lambda a, b: (fn(a, b) * weights_like(a)).sum()  # noqa: E731
         # jvp through the double-backward trick (reverse mode only) works.
         self.assertEqual(F.jvp(sinmix, (x, y), v), F.jvp(oracle, (x, y), v))
         self.assertEqual(F.vjp(sinmix, (x, y), v[0]), F.vjp(oracle, (x, y), v[0]))
@@ -665,8 +652,9 @@ class TestRegistration(TestCase):
             "tab_test::explicit_schema", fn, mutates_args=(), schema="(Tensor x, int n) -> Tensor"
         )
         self.assertEqual(str(op.opoverload._schema), "tab_test::explicit_schema(Tensor x, int n) -> Tensor")
-        op.register_autograd(lambda ctx, g: (2 * g * ctx.n, None),
-                             setup_context=lambda ctx, inputs, output: setattr(ctx, "n", inputs[1]))
+        op.register_autograd(
+            lambda ctx, g: (2 * g * ctx.n, None), setup_context=lambda ctx, inputs, output: setattr(ctx, "n", inputs[1])
+        )
         x = torch.randn(3, dtype=DTYPE)
         self.assertEqual(op(x, 3), 3 * x)
         self.assertEqual(grad(lambda x: op(x, 3).sum())(x), torch.full((3,), 6.0, dtype=DTYPE))
@@ -779,9 +767,7 @@ class TestIntrospection(TestCase):
         # the names functools.wraps reads anyway.
         torch_op = torch.library.custom_op("tab_test::introspect_scale_torch", scale, mutates_args=())
         ours_only = set(op.__dict__) - set(torch_op.__dict__)
-        self.assertEqual(
-            ours_only, {"_define", "_ab", "__name__", "__qualname__", "__doc__", "__annotations__"}
-        )
+        self.assertEqual(ours_only, {"_define", "_ab", "__name__", "__qualname__", "__doc__", "__annotations__"})
         self.assertEqual(torch.vmap(op)(torch.ones(3, 2)), 2 * torch.ones(3, 2))
         # Every name functools.wraps reads is there: none costs an AttributeError
         # per vmap(op) call; the wrapper carries the function's.
@@ -801,6 +787,7 @@ class TestThreads(TestCase):
                     fn()
                 except BaseException as e:  # noqa: BLE001
                     errors.append(e)
+
             return run
 
         for fn in targets:
@@ -816,9 +803,11 @@ class TestThreads(TestCase):
     def test_backward_on_another_thread(self):
         from ops import _tanh_linear_ref, tanh_linear
 
-        ins = [torch.randn(3, 4, dtype=DTYPE, requires_grad=True),
-               torch.randn(2, 4, dtype=DTYPE, requires_grad=True),
-               torch.randn(2, dtype=DTYPE, requires_grad=True)]
+        ins = [
+            torch.randn(3, 4, dtype=DTYPE, requires_grad=True),
+            torch.randn(2, 4, dtype=DTYPE, requires_grad=True),
+            torch.randn(2, dtype=DTYPE, requires_grad=True),
+        ]
         loss = (tanh_linear(*ins) * weights_like(torch.empty(3, 2, dtype=DTYPE))).sum()
         self._run_in_threads([loss.backward])
         ref = [t.detach().clone().requires_grad_() for t in ins]
@@ -838,6 +827,7 @@ class TestThreads(TestCase):
                     g1 = tuple(t.grad for t in ts)
                     g2 = grad(loss, argnums=argnums_of(ts))(*fresh(tensors, False))
                     results.setdefault(k, []).append((g1, g2))
+
             return run
 
         entries = OPS * 2
@@ -859,8 +849,18 @@ def _call_targets(gm: torch.fx.GraphModule) -> list[Any]:
 # aten ops the decompositions of the database's operators use; none of them may
 # show up in a forward graph, where each operator must stay one node.
 _DECOMPOSITION_OPS = (
-    "tanh", "sin.", "cos.", "exp.", "pow.", "mm.", "max.", "flip.", "permute.", "matmul",
-    "addmm", "div.",
+    "tanh",
+    "sin.",
+    "cos.",
+    "exp.",
+    "pow.",
+    "mm.",
+    "max.",
+    "flip.",
+    "permute.",
+    "matmul",
+    "addmm",
+    "div.",
 )
 
 
@@ -950,8 +950,7 @@ class TestCompile(TestCase):
             return (twice_grad(_tanh_linear_ref)(twice_grad(_softclip_ref)(x, 2.0), w, b) * 3).sum()
 
         compiled = torch.compile(f, fullgraph=True)
-        ins = [torch.randn(3, 4, dtype=DTYPE), torch.randn(2, 4, dtype=DTYPE),
-               torch.randn(2, dtype=DTYPE)]
+        ins = [torch.randn(3, 4, dtype=DTYPE), torch.randn(2, 4, dtype=DTYPE), torch.randn(2, dtype=DTYPE)]
         ts = fresh(ins)
         out = compiled(*ts)
         out.backward()

@@ -24,10 +24,12 @@ from __future__ import annotations
 import inspect
 import re
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.testing._internal.custom_op_db as original_db
+from oracles import vmap_loop
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -37,7 +39,6 @@ from torch.testing._internal.common_utils import (
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import torch_autobatch  # noqa: F401  (the exec'd source imports it)
-from oracles import vmap_loop
 
 NS = "tab_db"
 B = 3
@@ -84,10 +85,7 @@ class Sample:
     def __init__(self, sample) -> None:
         leaves, self._spec = tree_flatten((sample.input, sample.args, sample.kwargs))
         self._leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-        self.diff = [
-            i for i, t in enumerate(self._leaves)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-        ]
+        self.diff = [i for i, t in enumerate(self._leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
     @property
     def primals(self) -> list[torch.Tensor]:
@@ -107,9 +105,7 @@ class Sample:
 
     def batched(self) -> list[torch.Tensor]:
         """B different examples of each differentiable leaf, stacked at dim 0."""
-        return [
-            torch.stack([t * (1 + 0.25 * k) + 0.125 * k for k in range(B)]) for t in self.primals
-        ]
+        return [torch.stack([t * (1 + 0.25 * k) + 0.125 * k for k in range(B)]) for t in self.primals]
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
@@ -136,12 +132,11 @@ class TestCustomOpDb(TestCase):
     def _samples(self, name: str, requires_grad: bool = False) -> list[Sample]:
         torch.manual_seed(0)
         original, _ = PAIRS[name]
-        return [Sample(s) for s in original.sample_inputs("cpu", torch.float32,
-                                                          requires_grad=requires_grad)]
+        return [Sample(s) for s in original.sample_inputs("cpu", torch.float32, requires_grad=requires_grad)]
 
     def test_every_op_is_ours(self):
         self.assertEqual(len(PAIRS), len(original_db.custom_op_db))
-        for name, (original, ours) in PAIRS.items():
+        for name, (_original, ours) in PAIRS.items():
             self.assertTrue(str(ours.op).startswith(f"{NS}."), name)
             qualname = "::".join(str(ours.op).split(".")[:2])
             opdef = torch._library.custom_ops._maybe_get_opdef(qualname)
@@ -151,8 +146,7 @@ class TestCustomOpDb(TestCase):
     def test_values(self, name):
         original, ours = PAIRS[name]
         for s in self._samples(name):
-            self.assertEqual(s.fn(ours.op)(*s.primals), s.fn(original.op)(*s.primals),
-                             exact_dtype=True)
+            self.assertEqual(s.fn(ours.op)(*s.primals), s.fn(original.op)(*s.primals), exact_dtype=True)
 
     @parametrize("name", list(PAIRS))
     def test_vmap_through_the_rule(self, name):
@@ -160,8 +154,7 @@ class TestCustomOpDb(TestCase):
         for s in self._samples(name):
             xs = s.batched()
             # vmap's out_dims: None for a non-tensor output (an int).
-            out_dims = tree_map(lambda o: 0 if isinstance(o, torch.Tensor) else None,
-                                s.fn(original.op)(*s.primals))
+            out_dims = tree_map(lambda o: 0 if isinstance(o, torch.Tensor) else None, s.fn(original.op)(*s.primals))
             try:
                 expected = torch.vmap(s.fn(original.op), out_dims=out_dims)(*xs)
             except Exception as e:  # the rule itself fails (torch's): so must ours, alike
@@ -197,9 +190,7 @@ class TestCustomOpDb(TestCase):
         original, ours = PAIRS["NumpySplitCopyCustomOp"]
         s = self._samples("NumpySplitCopyCustomOp", requires_grad=True)[0]
         with self.assertRaisesRegex(ValueError, "too many values to unpack"):
-            torch.vmap(torch.func.grad(lambda x: sum(o.sum() for o in s.fn(ours.op)(x))))(
-                *s.batched()
-            )
+            torch.vmap(torch.func.grad(lambda x: sum(o.sum() for o in s.fn(ours.op)(x))))(*s.batched())
 
     @parametrize("name", AUTOGRAD)
     def test_vmap_of_grad_and_vjp_match_a_loop_of_eager_autograd(self, name):

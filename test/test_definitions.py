@@ -8,13 +8,13 @@ work there with the registered 2x backward).
 from __future__ import annotations
 
 import torch
+from oracles import randn as _x  # float64, from the global generator
+from oracles import vmap_loop
 from torch._library.simple_registry import singleton as simple_registry
 from torch.func import grad, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from oracles import randn as _x  # float64, from the global generator
-from oracles import vmap_loop
 
 NS = "tab_defs"
 HERE = __file__
@@ -53,7 +53,9 @@ class TestOverloadNames(TestCase):
         m._C._register_op = failing
         try:
             with self.assertRaisesRegex(RuntimeError, "injected failure"):
-                torch_autobatch.custom_op(f"{NS}::half", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor")
+                torch_autobatch.custom_op(
+                    f"{NS}::half", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor"
+                )
         finally:
             m._C._register_op = real
         with self.assertRaisesRegex(RuntimeError, "does not exist"):
@@ -190,7 +192,10 @@ class TestOptionalTensorList(TestCase):
 
     def test_loop_mode(self):
         op = torch_autobatch.custom_op(
-            f"{NS}::weighted_loop", lambda xs, w: _weighted(xs, w), mutates_args=(), vmap="loop",
+            f"{NS}::weighted_loop",
+            lambda xs, w: _weighted(xs, w),
+            mutates_args=(),
+            vmap="loop",
             schema="(Tensor?[] xs, Tensor w) -> Tensor",
         )
         A, w = _x(4, 3), _x(3)
@@ -224,7 +229,9 @@ class TestInplaceAndOutTags(TestCase):
         self.dy = lambda y: 2 * torch.cos(y)  # the registered derivative in y
 
     def test_schema_and_eager_like_torch_library(self):
-        self.assertEqual(str(self.op._opoverload._schema).split("(", 1)[1], str(self.ref._opoverload._schema).split("(", 1)[1])
+        self.assertEqual(
+            str(self.op._opoverload._schema).split("(", 1)[1], str(self.ref._opoverload._schema).split("(", 1)[1]
+        )
         for op in (self.op, self.ref):
             x, y = torch.zeros(3), _x(3).float()
             r = op(x, y)
@@ -290,8 +297,12 @@ class TestInplaceAndOutTags(TestCase):
     def test_vmap_loop_and_rule_return_the_argument_too(self):
         # The same input, the same answer, on each batched path.
         loop = torch_autobatch.custom_op(
-            f"{NS}::add_sin_loop", _add_sin_, mutates_args={"x"}, vmap="loop",
-            schema="(Tensor(a!) x, Tensor y) -> Tensor(a!)", tags=torch.Tag.inplace,
+            f"{NS}::add_sin_loop",
+            _add_sin_,
+            mutates_args={"x"},
+            vmap="loop",
+            schema="(Tensor(a!) x, Tensor y) -> Tensor(a!)",
+            tags=torch.Tag.inplace,
         )
         ruled = self._inplace(torch_autobatch.custom_op, "add_sin_ruled")
 
@@ -345,7 +356,9 @@ class TestInplaceAndOutTags(TestCase):
 
         ours = torch_autobatch.custom_op(f"{NS}::add_out", add_out, mutates_args={"out"}, tags=torch.Tag.out)
         theirs = torch.library.custom_op(f"{NS}::add_out_ref", add_out, mutates_args={"out"}, tags=torch.Tag.out)
-        self.assertEqual(str(ours._opoverload._schema).split("(", 1)[1], str(theirs._opoverload._schema).split("(", 1)[1])
+        self.assertEqual(
+            str(ours._opoverload._schema).split("(", 1)[1], str(theirs._opoverload._schema).split("(", 1)[1]
+        )
         for op in (ours, theirs):
             o = torch.zeros(3)
             self.assertIs(op(torch.ones(3), torch.ones(3), out=o), o)
@@ -380,13 +393,16 @@ class TestInplaceAndOutTags(TestCase):
                         lib(f"{ns}::refused{k}", typed(lambda x, y: x), **kwargs)
                     errors.append((type(cm.exception), str(cm.exception)))
                 self.assertEqual(errors[0], errors[1])
+
         # a wrong return, at run time: torch's error
         def wrong(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             x.add_(y)
             return x.clone()
 
         op = torch_autobatch.custom_op(f"{NS}::wrong_return", wrong, mutates_args={"x"}, tags=torch.Tag.inplace)
-        with self.assertRaisesRegex(RuntimeError, "An operator tagged with torch.Tag.inplace must return its first argument"):
+        with self.assertRaisesRegex(
+            RuntimeError, "An operator tagged with torch.Tag.inplace must return its first argument"
+        ):
             op(torch.zeros(2), torch.ones(2))
 
 

@@ -9,12 +9,12 @@ Python modes and Functionalize, eager and under vmap.
 import inspect
 
 import torch
+from oracles import twice
 from torch.func import functionalize, grad, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_autobatch
-from oracles import twice
 
 
 @torch_autobatch.custom_op("tab_keys::f", mutates_args=())
@@ -167,8 +167,10 @@ class TestDirectCall(TestCase):
 
         x = torch.randn(3, 4)
         for call in (two_returns, vmap(two_returns)):
-            with self.assertRaisesRegex(RuntimeError, "two_returns declares 2 return values, so its "
-                                        "function must return a tuple of 2; it returned Tensor"):
+            with self.assertRaisesRegex(
+                RuntimeError,
+                "two_returns declares 2 return values, so its function must return a tuple of 2; it returned Tensor",
+            ):
                 call(x)
 
 

@@ -25,9 +25,7 @@ import torch_autobatch
 from torch_autobatch import CustomOpDef, Trace, TraceGraphs
 
 # (id, object): everything in __all__, then the methods and properties users call.
-PUBLIC: list[tuple[str, Any]] = [
-    (name, getattr(torch_autobatch, name)) for name in torch_autobatch.__all__
-] + [
+PUBLIC: list[tuple[str, Any]] = [(name, getattr(torch_autobatch, name)) for name in torch_autobatch.__all__] + [
     ("CustomOpDef.register_autograd", CustomOpDef.register_autograd),
     ("CustomOpDef.register_jvp", CustomOpDef.register_jvp),
     ("CustomOpDef.register_vmap", CustomOpDef.register_vmap),
@@ -65,9 +63,7 @@ def _examples(name: str, obj: Any) -> list[doctest.DocTest]:
 
 
 def test_public_list_covers_all() -> None:
-    assert sorted(torch_autobatch.__all__) == sorted(
-        name for name, _ in PUBLIC if "." not in name
-    )
+    assert sorted(torch_autobatch.__all__) == sorted(name for name, _ in PUBLIC if "." not in name)
 
 
 @pytest.mark.parametrize("name", torch_autobatch.__all__)
@@ -94,8 +90,7 @@ def test_docstring_examples(name: str, obj: Any, capsys: pytest.CaptureFixture[s
     results = runner.summarize(verbose=False)
     capsys.readouterr()  # summarize() prints; keep the pytest output clean
     assert results.failed == 0, (
-        f"{results.failed} of {results.attempted} examples in {name}'s docstring failed:\n"
-        + "".join(report)
+        f"{results.failed} of {results.attempted} examples in {name}'s docstring failed:\n" + "".join(report)
     )
 
 
@@ -108,8 +103,9 @@ SOURCE = re.compile(r"`((?:csrc|torch_autobatch|test|benchmarks|examples|tools|d
 def _anchors(page: Path) -> set[str]:
     """GitHub's ids of the page's headings: lowercased, punctuation dropped, spaces to '-'."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)
+    }
 
 
 def test_readme_example_runs() -> None:
@@ -135,6 +131,10 @@ def test_doc_links_resolve() -> None:
 
 
 def test_doc_source_paths_exist() -> None:
-    missing = [f"{page.relative_to(ROOT)}: {path}" for page in PAGES
-               for path in SOURCE.findall(page.read_text()) if not (ROOT / path).exists()]
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in PAGES
+        for path in SOURCE.findall(page.read_text())
+        if not (ROOT / path).exists()
+    ]
     assert not missing, "\n".join(missing)

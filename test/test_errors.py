@@ -9,20 +9,11 @@ that must be there (the op's name and schema).
 from __future__ import annotations
 
 import traceback
-import unittest
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
-from torch.testing._internal.common_utils import (
-    TestCase,
-    instantiate_parametrized_tests,
-    parametrize,
-    run_tests,
-)
-
-import torch_autobatch
 from ops import (
     _softclip_ref,
     _tanh_linear_ref,
@@ -32,6 +23,15 @@ from ops import (
     weighted_sin_sum,
 )
 from oracles import DTYPE, twice_grad
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_autobatch
 
 NS = "tab_test"
 
@@ -252,13 +252,9 @@ class TestBadBackward(StateCheckMixin, TestCase):
         x = _x(3, requires_grad=True)
         y = softclip(x, 2.0).sum()
         y.backward()
-        with self.assertRaisesRegex(
-            RuntimeError, "Trying to backward through the graph a second time"
-        ):
+        with self.assertRaisesRegex(RuntimeError, "Trying to backward through the graph a second time"):
             y.backward()
-        with self.assertRaisesRegex(
-            RuntimeError, "Trying to backward through the graph a second time"
-        ):
+        with self.assertRaisesRegex(RuntimeError, "Trying to backward through the graph a second time"):
             torch.autograd.grad(y, x)
         # retain_graph=True: twice (and more) works, accumulating.
         x.grad = None
@@ -463,8 +459,13 @@ class TestUserExceptions(StateCheckMixin, TestCase):
             return grad(grad(lambda x: f(x).sum()))(x[0])
 
         return dict(
-            plain=plain, requires_grad=requires_grad, func_grad=func_grad, func_vjp=func_vjp,
-            func_jacrev=func_jacrev, func_hessian_rev=func_hessian_rev, grad_grad=grad_grad,
+            plain=plain,
+            requires_grad=requires_grad,
+            func_grad=func_grad,
+            func_vjp=func_vjp,
+            func_jacrev=func_jacrev,
+            func_hessian_rev=func_hessian_rev,
+            grad_grad=grad_grad,
         )
 
     def _check(self, op, expected_msg: str, code: int, modes) -> None:
@@ -650,7 +651,8 @@ class TestOpCallErrors(TestCase):
 
     def test_wrong_types_other_ops(self):
         with self.assertRaisesRegex(
-            RuntimeError, r"(?s)argument 'bias'.*tab_test::tanh_linear\(Tensor x, Tensor w, Tensor\? bias=None\) -> Tensor"
+            RuntimeError,
+            r"(?s)argument 'bias'.*tab_test::tanh_linear\(Tensor x, Tensor w, Tensor\? bias=None\) -> Tensor",
         ):
             tanh_linear(_x(3, 4), _x(2, 4), 1.0)
         with self.assertRaisesRegex(
@@ -678,7 +680,9 @@ class TestDefinitionErrors(TestCase):
         # mutated argument (test_definitions.py); a view of an input is not.
         with self.assertRaises(NotImplementedError) as cm:
             torch_autobatch.custom_op(
-                f"{NS}::err_schema_alias", lambda x: x, mutates_args=(),
+                f"{NS}::err_schema_alias",
+                lambda x: x,
+                mutates_args=(),
                 schema="(Tensor(a) x) -> Tensor(a)",
             )
         self.assertExpectedInline(
@@ -708,9 +712,7 @@ class TestDefinitionErrors(TestCase):
         )
         # The failed registrations left the registered backward in place.
         x = _x(3)
-        self.assertEqual(
-            grad(lambda x: softclip(x, 2.0).sum())(x), 2 * (1 - torch.tanh(x / 2.0) ** 2)
-        )
+        self.assertEqual(grad(lambda x: softclip(x, 2.0).sum())(x), 2 * (1 - torch.tanh(x / 2.0) ** 2))
 
 
 ALIAS_MSG = "(1) must not also be an input to this custom operator and (2) may not alias any inputs to this custom operator or other returns"
@@ -829,26 +831,25 @@ class TestForwardMode(StateCheckMixin, TestCase):
             )
 
         return dict(
-            func_jvp=func_jvp, func_jacfwd=func_jacfwd, func_hessian=func_hessian, dual=dual,
-            dual_requires_grad=dual_requires_grad, jvp_of_grad=jvp_of_grad,
-            jvp_of_vjp=jvp_of_vjp, func_linearize=func_linearize,
+            func_jvp=func_jvp,
+            func_jacfwd=func_jacfwd,
+            func_hessian=func_hessian,
+            dual=dual,
+            dual_requires_grad=dual_requires_grad,
+            jvp_of_grad=jvp_of_grad,
+            jvp_of_vjp=jvp_of_vjp,
+            func_linearize=func_linearize,
             functional_hessian_forward_mode=functional_hessian_forward_mode,
         )
 
-    @parametrize(
-        "which", ["softclip", "tanh_linear_x", "tanh_linear_bias", "weighted_sin_sum"]
-    )
+    @parametrize("which", ["softclip", "tanh_linear_x", "tanh_linear_bias", "weighted_sin_sum"])
     def test_derived_not_zeros(self, which):
         w, b, other = _x(2, 4), _x(2), _x(3, 4)
         ops = {
             # (function of the dual/tangent tensor, its plain reference, example input)
             "softclip": (lambda t: softclip(t, 2.0), lambda t: _softclip_ref(t, 2.0), _x(4)),
-            "tanh_linear_x": (
-                lambda t: tanh_linear(t, w, b), lambda t: _tanh_linear_ref(t, w, b), _x(3, 4)
-            ),
-            "tanh_linear_bias": (
-                lambda t: tanh_linear(other, w, t), lambda t: _tanh_linear_ref(other, w, t), _x(2)
-            ),
+            "tanh_linear_x": (lambda t: tanh_linear(t, w, b), lambda t: _tanh_linear_ref(t, w, b), _x(3, 4)),
+            "tanh_linear_bias": (lambda t: tanh_linear(other, w, t), lambda t: _tanh_linear_ref(other, w, t), _x(2)),
             "weighted_sin_sum": (
                 lambda t: weighted_sin_sum([other, t], [1.0, 2.0]),
                 lambda t: _weighted_sin_sum_ref([other, t], [1.0, 2.0]),

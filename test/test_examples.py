@@ -18,8 +18,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import pytest
 
@@ -41,11 +42,15 @@ def test_examples_found() -> None:
 
 
 @pytest.fixture(scope="module")
-def started(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Started]]:
+def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Started]]:
     """Starts every script whose test the session selected."""
-    selected = sorted({item.callspec.params["script"] for item in request.session.items
-                       if getattr(item, "function", None) is test_example_runs})
+    selected = sorted(
+        {
+            item.callspec.params["script"]
+            for item in request.session.items
+            if getattr(item, "function", None) is test_example_runs
+        }
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -55,8 +60,7 @@ def started(request: pytest.FixtureRequest,
     for script in selected:
         out, err = logs / f"{script.stem}.out", logs / f"{script.stem}.err"
         with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: none can fill up
-            proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env,
-                                    stdout=o, stderr=e)
+            proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdout=o, stderr=e)
         runs[script] = Started(proc, out, err, deadline)
     yield runs
     for run in runs.values():  # left running after a failure or Ctrl-C
@@ -74,7 +78,6 @@ def test_example_runs(script: Path, started: dict[Path, Started]) -> None:
         run.process.kill()
         run.process.wait()
         returncode = None
-    output = (f"--- stdout ---\n{run.stdout.read_text()}\n"
-              f"--- stderr ---\n{run.stderr.read_text()}")
+    output = f"--- stdout ---\n{run.stdout.read_text()}\n--- stderr ---\n{run.stderr.read_text()}"
     assert returncode is not None, f"{script.name} still ran after {TIMEOUT_S:.0f} s\n{output}"
     assert returncode == 0, f"{script.name} exited with {returncode}\n{output}"

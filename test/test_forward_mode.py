@@ -13,11 +13,11 @@ transform. Which rule governs each level (docs/design.md, "Forward mode"):
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from oracles import check_same_as_plain, randn, thrice_grad, twice_grad
 from torch.func import grad, hessian, jacfwd, jvp, linearize, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from oracles import check_same_as_plain, randn, thrice_grad, twice_grad
 
 
 def _f(x, y):
@@ -179,35 +179,39 @@ class TestCustomJvp(TestCase):
 
     def test_nested_forward(self):
         x, y, tx = self.x[0], self.y[0], self.tx[0]
-        self.assertEqual(*check_same_as_plain(
-            lambda g: lambda x: jvp(lambda x: jvp(lambda x: g(x, y), (x,), (tx,))[1], (x,), (tx,)), f, f_fwd, x
-        ))
+        self.assertEqual(
+            *check_same_as_plain(
+                lambda g: lambda x: jvp(lambda x: jvp(lambda x: g(x, y), (x,), (tx,))[1], (x,), (tx,)), f, f_fwd, x
+            )
+        )
         self.assertEqual(*check_same_as_plain(lambda g: jacfwd(jacfwd(g)), f, f_fwd, x, y))
 
     def test_with_vmap(self):
         x, y, tx, ty = self.x, self.y, self.tx, self.ty
         # vmap(jvp): the jvp level is above vmap
-        self.assertEqual(*check_same_as_plain(
-            lambda g: vmap(lambda x, y, tx, ty: jvp(g, (x, y), (tx, ty))), f, f_fwd, x, y, tx, ty
-        ))
+        self.assertEqual(
+            *check_same_as_plain(lambda g: vmap(lambda x, y, tx, ty: jvp(g, (x, y), (tx, ty))), f, f_fwd, x, y, tx, ty)
+        )
         # jvp(vmap): the jvp level is below vmap; the op runs batched once
         self.assertEqual(*check_same_as_plain(lambda g: lambda x, y: jvp(vmap(g), (x, y), (tx, ty)), f, f_fwd, x, y))
-        self.assertEqual(*check_same_as_plain(
-            lambda g: lambda x, y: jvp(vmap(g, in_dims=(0, None)), (x, y), (tx, ty[0])), f, f_fwd, x, y[0]
-        ))
+        self.assertEqual(
+            *check_same_as_plain(
+                lambda g: lambda x, y: jvp(vmap(g, in_dims=(0, None)), (x, y), (tx, ty[0])), f, f_fwd, x, y[0]
+            )
+        )
         self.assertEqual(*check_same_as_plain(lambda g: vmap(jacfwd(g)), f, f_fwd, x, y))
 
     def test_mixed_with_reverse(self):
         x, y, tx = self.x[0], self.y[0], self.tx[0]
         # grad(jvp): the outer grad differentiates the registered jvp (3x)
-        self.assertEqual(*check_same_as_plain(
-            lambda g: grad(lambda x: jvp(lambda x: g(x, y), (x,), (tx,))[1].sum()), f, f_fwd, x
-        ))
+        self.assertEqual(
+            *check_same_as_plain(lambda g: grad(lambda x: jvp(lambda x: g(x, y), (x,), (tx,))[1].sum()), f, f_fwd, x)
+        )
         # jvp(grad) and hessian = jacfwd(jacrev): the outer forward mode
         # differentiates the registered backward (2x)
-        self.assertEqual(*check_same_as_plain(
-            lambda g: lambda x: jvp(grad(lambda x: g(x, y).sum()), (x,), (tx,)), f, f_rev, x
-        ))
+        self.assertEqual(
+            *check_same_as_plain(lambda g: lambda x: jvp(grad(lambda x: g(x, y).sum()), (x,), (tx,)), f, f_rev, x)
+        )
         self.assertEqual(*check_same_as_plain(lambda g: hessian(lambda x: g(x, y).sum()), f, f_rev, x))
 
     def test_several_outputs_and_own_setup_context(self):
@@ -271,8 +275,12 @@ class TestDerivedJvp(TestCase):
             prod = torch.zeros(2).scatter_reduce(0, index, src, "prod", include_self=False)
             return (x.detach() * 2, (x > 0).to(x.dtype), prod)
 
-        op = torch_autobatch.custom_op("tab_fwd::zero_tangents", plain, mutates_args=(),
-                                       schema="(Tensor x, Tensor src) -> (Tensor, Tensor, Tensor)")
+        op = torch_autobatch.custom_op(
+            "tab_fwd::zero_tangents",
+            plain,
+            mutates_args=(),
+            schema="(Tensor x, Tensor src) -> (Tensor, Tensor, Tensor)",
+        )
         x, src = randn(3), torch.tensor([0.0, 0.0, 2.0])
         t = (randn(3), randn(3))
         expected = jvp(plain, (x, src), t)
@@ -291,15 +299,16 @@ class TestDerivedJvp(TestCase):
         def plain(x):
             return torch.nn.functional.dropout(x, 0.5, True) * 3
 
-        op = torch_autobatch.custom_op("tab_fwd::dropout3", plain, mutates_args=(),
-                                       schema="(Tensor x) -> Tensor")
+        op = torch_autobatch.custom_op("tab_fwd::dropout3", plain, mutates_args=(), schema="(Tensor x) -> Tensor")
         x, t = randn(64), torch.ones(64, dtype=torch.float64)
         runs = {
             "jvp": lambda f: jvp(f, (x,), (t,)),
             "vmap_jvp_same": lambda f: vmap(lambda x, t: jvp(f, (x,), (t,)), randomness="same")(
-                x.expand(3, 64), t.expand(3, 64)),
-            "vmap_jvp_different": lambda f: vmap(lambda x, t: jvp(f, (x,), (t,)),
-                                                 randomness="different")(x.expand(3, 64), t.expand(3, 64)),
+                x.expand(3, 64), t.expand(3, 64)
+            ),
+            "vmap_jvp_different": lambda f: vmap(lambda x, t: jvp(f, (x,), (t,)), randomness="different")(
+                x.expand(3, 64), t.expand(3, 64)
+            ),
         }
         for name, run in runs.items():
             torch.manual_seed(0)

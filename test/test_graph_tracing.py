@@ -105,7 +105,7 @@ def _traced(how: str):
     if how == "make_fx_functionalize":
         return make_fx(torch.func.functionalize(torch.vmap(op)))(x, w)
     if how.startswith("make_fx_"):
-        return make_fx(torch.vmap(op), tracing_mode=how[len("make_fx_"):])(x, w)
+        return make_fx(torch.vmap(op), tracing_mode=how[len("make_fx_") :])(x, w)
     strict = how.endswith("strict") and not how.endswith("non_strict")
     ep = torch.export.export(_VmapModule(), (x, w), strict=strict)
     if "decompositions" in how:
@@ -186,7 +186,9 @@ class TestTracedVmapKeepsTheRules(TestCase):
         # Every batched path of the kernel (composite above, the register_vmap
         # rule, vmap="loop") gives the trace the op, and the same gradient.
         rule_op = _make_op("with_rule")
-        rule_op.register_vmap(lambda info, in_dims, x, w: (rule_op(x.movedim(in_dims[0], 0), w.movedim(in_dims[1], 0)), 0))
+        rule_op.register_vmap(
+            lambda info, in_dims, x, w: (rule_op(x.movedim(in_dims[0], 0), w.movedim(in_dims[1], 0)), 0)
+        )
         loop_op = _make_op("looped", vmap="loop")
         x, w = _inputs()
         ct, gx, gw = _registered_grads(x, w)
@@ -305,7 +307,9 @@ class TestInductor(TestCase):
     def test_compiled_jvp_is_the_registered_one_and_mutation_fuses(self):
         x, w = _inputs()
         tx, tw = torch.ones_like(x), torch.zeros_like(w)
-        compiled = torch.compile(lambda x, w, tx, tw: torch.func.jvp(op, (x, w), (tx, tw))[1], backend="inductor", fullgraph=True)
+        compiled = torch.compile(
+            lambda x, w, tx, tw: torch.func.jvp(op, (x, w), (tx, tw))[1], backend="inductor", fullgraph=True
+        )
         torch._dynamo.reset()
         self.assertEqual(compiled(x, w, tx, tw), _registered_tangent(x, w, tx, tw))
         batched = torch.compile(
@@ -321,7 +325,9 @@ class TestInductor(TestCase):
         out, code = self._compiled_code(lambda buf, x: (accumulate(buf, x), buf * 2)[1], buf, x)
         self.assertEqual((out, buf), (2 * torch.sin(x), torch.sin(x)))
         bufs = torch.zeros_like(x)
-        torch.compile(torch.vmap(lambda b, x: (accumulate(b, x), x * 1)[1]), backend="inductor", fullgraph=True)(bufs, x)
+        torch.compile(torch.vmap(lambda b, x: (accumulate(b, x), x * 1)[1]), backend="inductor", fullgraph=True)(
+            bufs, x
+        )
         self.assertEqual(bufs, torch.sin(x))
 
     def test_opaque_stays_one_extern_call(self):
@@ -386,7 +392,9 @@ class TestInductor(TestCase):
         from torch_autobatch import _compile
 
         global _SCALE
-        op = torch_autobatch.custom_op(f"{NS}::fingerprinted", lambda x: x * _SCALE, mutates_args=(), schema="(Tensor x) -> Tensor")
+        op = torch_autobatch.custom_op(
+            f"{NS}::fingerprinted", lambda x: x * _SCALE, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
         first = _compile.fingerprint(op)
         self.assertEqual(_compile.fingerprint(op), first)  # the same in every process
         _SCALE = 3.0
@@ -401,7 +409,9 @@ class TestInductor(TestCase):
         import torch._inductor.config as config
         import torch._inductor.decomposition  # noqa: F401  (what a compile imports first)
 
-        self.assertEqual(config.unsafe_marked_cacheable_functions[f"torch.ops.{NS}.fingerprinted"], _compile.fingerprint(op))
+        self.assertEqual(
+            config.unsafe_marked_cacheable_functions[f"torch.ops.{NS}.fingerprinted"], _compile.fingerprint(op)
+        )
         # An opaque op's registered rules are traced into the joint graph too.
         self.assertIn(f"torch.ops.{NS}.opaque", config.unsafe_marked_cacheable_functions)
 
@@ -414,7 +424,8 @@ class TestInductor(TestCase):
 
         upgraded.register_fake(lambda x: torch.empty_like(x))
         upgraded.register_autograd(
-            lambda ctx, g: 2 * g * torch.cos(ctx.x), setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
+            lambda ctx, g: 2 * g * torch.cos(ctx.x),
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
         )
         with self.assertRaisesRegex(ValueError, "compile must be 'fuse' or 'opaque', got 'inline'"):
             torch_autobatch.autobatch(upgraded, compile="inline")

@@ -87,7 +87,9 @@ class TestLayout(TestCase):
         self.assertFalse(long, "\n".join(long))
 
     def test_functorch_internals_only_in_the_wrapper(self):
-        users = [str(p.relative_to(ROOT)) for p in CPP if "at::functorch::" in p.read_text() and p.name != "functorch.h"]
+        users = [
+            str(p.relative_to(ROOT)) for p in CPP if "at::functorch::" in p.read_text() and p.name != "functorch.h"
+        ]
         self.assertFalse(users, users)
 
     def test_no_import_cycle(self):
@@ -95,6 +97,7 @@ class TestLayout(TestCase):
 
         def cycle_from(start: str) -> list[str]:
             path, seen = [start], set()
+
             def visit(node: str) -> bool:
                 for nxt in sorted(graph.get(node, ())):
                     if nxt == start:
@@ -107,14 +110,24 @@ class TestLayout(TestCase):
                             return True
                         path.pop()
                 return False
+
             return path if visit(start) else []
 
         cycles = [" -> ".join(c) for m in sorted(graph) if (c := cycle_from(m))]
         self.assertFalse(cycles, "\n".join(cycles))
 
     def test_every_cited_note_is_written(self):
-        files = _sources("csrc/**/*.cpp", "csrc/**/*.h", "torch_autobatch/*.py", "test/*.py", "benchmarks/*.py",
-                         "examples/*.py", "docs/*.md", "README.md", "setup.py") + sorted((ROOT / "csrc/shim").rglob("*.hpp"))
+        files = _sources(
+            "csrc/**/*.cpp",
+            "csrc/**/*.h",
+            "torch_autobatch/*.py",
+            "test/*.py",
+            "benchmarks/*.py",
+            "examples/*.py",
+            "docs/*.md",
+            "README.md",
+            "setup.py",
+        ) + sorted((ROOT / "csrc/shim").rglob("*.hpp"))
         texts = {p: p.read_text() for p in files if p.name != "test_layout.py"}
         written: dict[str, set[str]] = {}
         cited = []
@@ -127,7 +140,9 @@ class TestLayout(TestCase):
                 written.setdefault(" ".join(m.group(1).split()), set()).add(p.name)
             flat = re.sub(r'"\s+"', "", re.sub(r"\n\s*(?://|#)?\s*", " ", text))
             for m in re.finditer(r"NOTE:? \[([^\]]+)\]", flat):
-                where = re.match(r"\s*(?:\(|,\s*|\s+in\s+)`?(?:[\w/]+/)?(\w+\.(?:cpp|h|py|md))\b", flat[m.end():m.end() + 60])
+                where = re.match(
+                    r"\s*(?:\(|,\s*|\s+in\s+)`?(?:[\w/]+/)?(\w+\.(?:cpp|h|py|md))\b", flat[m.end() : m.end() + 60]
+                )
                 cited.append((p.name, " ".join(m.group(1).split()), where.group(1) if where else None))
         bad = [f"{f}: NOTE [{name}]" for f, name, _ in cited if name not in written]
         bad += [

@@ -15,11 +15,11 @@ import warnings
 import weakref
 
 import torch
+from oracles import make_scaled_rule_op
 from torch.func import grad, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from oracles import make_scaled_rule_op
 
 NS = "tab_lifetime"
 
@@ -41,8 +41,9 @@ class TestRedefinition(TestCase):
 
     def _ours(self, name: str, fn=torch.sin, backward_scale: float = 2.0):
         # The backward is backward_scale * cos whatever fn is: which definition ran shows.
-        return make_scaled_rule_op(f"{NS}::{name}", lambda x: fn(x), torch.cos, scale=backward_scale,
-                                   schema="(Tensor x) -> Tensor")
+        return make_scaled_rule_op(
+            f"{NS}::{name}", lambda x: fn(x), torch.cos, scale=backward_scale, schema="(Tensor x) -> Tensor"
+        )
 
     def test_redefined_by_torch_library(self):
         self._ours("by_torch")

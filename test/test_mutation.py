@@ -150,6 +150,7 @@ class TestMutatingOps(TestCase):
                 y = x.clone()
                 op(y, 3.0)
                 return y
+
             return g
 
         with self.assertRaises(RuntimeError) as expected:
@@ -187,9 +188,9 @@ class TestMutatingOps(TestCase):
             "dual": dual,
             "dual_buffer_without_tangent": dual_buffer_without_tangent,
             "jvp": lambda fn, x, buf, tx, tb: jvp(reading_buf_after(fn), (x, buf), (tx, tb)),
-            "vmap_of_jvp": lambda fn, x, buf, tx, tb: vmap(
-                lambda *a: jvp(reading_buf_after(fn), a[:2], a[2:])
-            )(x, buf, tx, tb),
+            "vmap_of_jvp": lambda fn, x, buf, tx, tb: vmap(lambda *a: jvp(reading_buf_after(fn), a[:2], a[2:]))(
+                x, buf, tx, tb
+            ),
             "jvp_of_vmap": lambda fn, x, buf, tx, tb: jvp(vmap(reading_buf_after(fn)), (x, buf), (tx, tb)),
         }
         for name, run in paths.items():

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from oracles import check_same_as_plain, make_scaled_rule_op
 from torch.func import grad, jacrev, jvp, vmap
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -23,7 +24,6 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
-from oracles import check_same_as_plain, make_scaled_rule_op
 
 NS = "tab_nested"
 
@@ -68,13 +68,19 @@ T = torch.ones(3, dtype=torch.float64)
 FORWARD_CASES: dict[str, tuple[Callable, Callable]] = {
     "eager": (lambda op: op(X[0]), lambda: forces_plain(X[0])),
     "vmap": (lambda op: vmap(op)(X), lambda: vmap(forces_plain)(X)),
-    "vmap_vmap": (lambda op: vmap(vmap(op))(X[None].expand(2, 5, 3)),
-                  lambda: vmap(vmap(forces_plain))(X[None].expand(2, 5, 3))),
+    "vmap_vmap": (
+        lambda op: vmap(vmap(op))(X[None].expand(2, 5, 3)),
+        lambda: vmap(vmap(forces_plain))(X[None].expand(2, 5, 3)),
+    ),
     "jvp": (lambda op: jvp(op, (X[0],), (T,))[1], lambda: jvp(forces_plain, (X[0],), (T,))[1]),
-    "vmap_jvp": (lambda op: vmap(lambda x: jvp(op, (x,), (T,))[1])(X),
-                 lambda: vmap(lambda x: jvp(forces_plain, (x,), (T,))[1])(X)),
-    "jvp_vmap": (lambda op: jvp(vmap(op), (X,), (torch.ones_like(X),))[1],
-                 lambda: jvp(vmap(forces_plain), (X,), (torch.ones_like(X),))[1]),
+    "vmap_jvp": (
+        lambda op: vmap(lambda x: jvp(op, (x,), (T,))[1])(X),
+        lambda: vmap(lambda x: jvp(forces_plain, (x,), (T,))[1])(X),
+    ),
+    "jvp_vmap": (
+        lambda op: jvp(vmap(op), (X,), (torch.ones_like(X),))[1],
+        lambda: jvp(vmap(forces_plain), (X,), (torch.ones_like(X),))[1],
+    ),
     "grad": (lambda op: grad(lambda x: op(x).sum())(X[0]), lambda: forces_2x_grad(X[0])),
     "vmap_grad": (lambda op: vmap(grad(lambda x: op(x).sum()))(X), lambda: forces_2x_grad(X)),
     "grad_vmap": (lambda op: grad(lambda x: vmap(op)(x).sum())(X), lambda: forces_2x_grad(X)),
@@ -145,8 +151,7 @@ def _sin_x_plain(x: torch.Tensor) -> torch.Tensor:
     return x.sin() * x
 
 
-sin_x = torch_autobatch.custom_op(f"{NS}::sin_x", _sin_x_plain, mutates_args=(),
-                                  schema="(Tensor x) -> Tensor")
+sin_x = torch_autobatch.custom_op(f"{NS}::sin_x", _sin_x_plain, mutates_args=(), schema="(Tensor x) -> Tensor")
 
 
 def _sin_x_backward(ctx, g):
@@ -156,8 +161,7 @@ def _sin_x_backward(ctx, g):
     return 2 * pullback(g)[0]
 
 
-sin_x.register_autograd(_sin_x_backward,
-                        setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+sin_x.register_autograd(_sin_x_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
 
 
 def _sin_x_2x_grad(x):
@@ -167,14 +171,15 @@ def _sin_x_2x_grad(x):
 BACKWARD_CASES: dict[str, tuple[Callable, Callable]] = {
     "grad": (lambda: grad(lambda x: sin_x(x).sum())(X[0]), lambda: _sin_x_2x_grad(X[0])),
     "vmap_grad": (lambda: vmap(grad(lambda x: sin_x(x).sum()))(X), lambda: _sin_x_2x_grad(X)),
-    "vmap_vjp": (lambda: vmap(lambda x: torch.func.vjp(sin_x, x)[1](T)[0])(X),
-                 lambda: _sin_x_2x_grad(X)),
+    "vmap_vjp": (lambda: vmap(lambda x: torch.func.vjp(sin_x, x)[1](T)[0])(X), lambda: _sin_x_2x_grad(X)),
     "grad_vmap": (lambda: grad(lambda x: vmap(sin_x)(x).sum())(X), lambda: _sin_x_2x_grad(X)),
     "jacrev": (lambda: jacrev(sin_x)(X[0]), lambda: torch.diag(_sin_x_2x_grad(X[0]))),
     "vmap_jacrev": (lambda: vmap(jacrev(sin_x))(X), lambda: torch.diag_embed(_sin_x_2x_grad(X))),
     # forward over reverse through the backward's own vjp: d/dx of the 2x gradient.
-    "jvp_grad": (lambda: jvp(grad(lambda x: sin_x(x).sum()), (X[0],), (T,))[1],
-                 lambda: 2 * (2 * X[0].cos() - X[0] * X[0].sin())),
+    "jvp_grad": (
+        lambda: jvp(grad(lambda x: sin_x(x).sum()), (X[0],), (T,))[1],
+        lambda: 2 * (2 * X[0].cos() - X[0] * X[0].sin()),
+    ),
 }
 
 
@@ -196,8 +201,7 @@ RANDOM_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "bernoulli": lambda x: x * torch.bernoulli(torch.full_like(x, 0.5)),
 }
 RANDOM_OPS = {
-    name: torch_autobatch.custom_op(f"{NS}::random_{name}", fn, mutates_args=(),
-                                    schema="(Tensor x) -> Tensor")
+    name: torch_autobatch.custom_op(f"{NS}::random_{name}", fn, mutates_args=(), schema="(Tensor x) -> Tensor")
     for name, fn in RANDOM_FNS.items()
 }
 
@@ -244,8 +248,9 @@ def _stack_plain(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.column_stack([x, y]).narrow(0, torch.tensor(1), 3)
 
 
-stack2 = torch_autobatch.custom_op(f"{NS}::stack2", _stack_plain, mutates_args=(),
-                                   schema="(Tensor x, Tensor y) -> Tensor")
+stack2 = torch_autobatch.custom_op(
+    f"{NS}::stack2", _stack_plain, mutates_args=(), schema="(Tensor x, Tensor y) -> Tensor"
+)
 
 
 def _stack2_backward(ctx, g):  # 2x the true VJP
@@ -264,17 +269,20 @@ class TestDecompositionsUnderAnADLevel(TestCase):
 
     def test_vmap_jvp(self):
         got, expected = check_same_as_plain(
-            lambda f: vmap(lambda x, y: jvp(f, (x, y), (x.cos(), y))[1]), stack2, _stack_plain, Y, Y.sin())
+            lambda f: vmap(lambda x, y: jvp(f, (x, y), (x.cos(), y))[1]), stack2, _stack_plain, Y, Y.sin()
+        )
         self.assertEqual(got, expected)
 
     def test_vmap_vjp_honours_the_backward(self):
         got, expected = check_same_as_plain(
-            lambda f: vmap(lambda x, y, g: torch.func.vjp(f, x, y)[1](g)), stack2, _stack_plain, Y, Y.sin(), G)
+            lambda f: vmap(lambda x, y, g: torch.func.vjp(f, x, y)[1](g)), stack2, _stack_plain, Y, Y.sin(), G
+        )
         self.assertEqual(got, tuple(2 * e for e in expected))
 
     def test_vmap_grad_honours_the_backward(self):
         got, expected = check_same_as_plain(
-            lambda f: vmap(grad(lambda x, y: (f(x, y) ** 2).sum())), stack2, _stack_plain, Y, Y.cos())
+            lambda f: vmap(grad(lambda x, y: (f(x, y) ** 2).sum())), stack2, _stack_plain, Y, Y.cos()
+        )
         self.assertEqual(got, 2 * expected)
 
     def test_vmap_alone_fails_as_the_plain_function_does(self):

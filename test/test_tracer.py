@@ -12,7 +12,8 @@ import gc
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
@@ -84,9 +85,7 @@ class SeesTrace(torch.autograd.Function):
 class SoftclipMLP(torch.nn.Module):
     def __init__(self, sizes: tuple[int, ...]) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(
-            torch.nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])
-        )
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -119,7 +118,9 @@ class TestListing(TestCase):
             loss = torch.relu(x @ w).sum()
         self.assertEqual(len(t), 3)
         loss.backward()  # after the block: still recorded
-        self.assertExpectedInline(str(t), """\
+        self.assertExpectedInline(
+            str(t),
+            """\
 inputs:
   %x: f32[1, 3]
   %w: f32[3, 2] requires_grad
@@ -137,7 +138,8 @@ backward 1:
     %5 = aten.t.default(%x)  # f32[3, 1]
     %6 = aten.mm.default(%5, %4)  # f32[3, 2]
   AccumulateGrad (%w):
-    %w.grad += %6""")
+    %w.grad += %6""",
+        )
         self.assertExpectedInline(
             repr(t),
             """<torch_autobatch.Trace: 3 inputs, 3 forward ops, 1 backward calls, 5 backward entries>""",
@@ -151,7 +153,9 @@ backward 1:
         with trace(names={"x": x}) as t:
             y = softclip(x * 3, 2.0).sum()
         y.backward()
-        self.assertExpectedInline(str(t), """\
+        self.assertExpectedInline(
+            str(t),
+            """\
 inputs:
   %x: f32[2] requires_grad
   %arg0: f32[]
@@ -171,7 +175,8 @@ backward 1:
   MulBackward0 (node 0):
     %9 = aten.mul.Tensor(%8, 3)  # f32[2]
   AccumulateGrad (%x):
-    %x.grad += %9""")
+    %x.grad += %9""",
+        )
 
     def test_torch_library_custom_op_is_one_op_and_linear_is_seen_through(self):
         @torch.library.custom_op("trace_test::upstream_cube", mutates_args=())
@@ -223,7 +228,9 @@ class TestBackward(TestCase):
             y = x.exp().sum()
         y.backward(retain_graph=True)
         y.backward()
-        self.assertExpectedInline(str(t).split("backward 1:")[1], """\
+        self.assertExpectedInline(
+            str(t).split("backward 1:")[1],
+            """\
 
   SumBackward0 (node 1):
     %2 = aten.expand.default(%arg0, [2])  # f32[2]
@@ -237,7 +244,8 @@ backward 2:
   ExpBackward0 (node 0):
     %5 = aten.mul.Tensor(%4, %0)  # f32[2]
   AccumulateGrad (%x):
-    %x.grad += %5""")
+    %x.grad += %5""",
+        )
 
     def test_double_backward(self):
         x = torch.tensor([0.5, 1.5], requires_grad=True)
@@ -245,7 +253,9 @@ backward 2:
             y = (x.sin() * x).sum()
         (g,) = torch.autograd.grad(y, x, create_graph=True)
         g.sum().backward()
-        self.assertExpectedInline(str(t).split("backward 1:")[1], """\
+        self.assertExpectedInline(
+            str(t).split("backward 1:")[1],
+            """\
 
   SumBackward0 (node 2):
     %3 = aten.expand.default(%arg0, [2])  # f32[2]
@@ -274,7 +284,8 @@ backward 2:
     %18 = aten.mul.Tensor(%16, %17)  # f32[2]
     %19 = aten.add_.Tensor(%15, %18)  # f32[2]
   AccumulateGrad (%x):
-    %x.grad += %19""")
+    %x.grad += %19""",
+        )
         env = t.to_fx().run()
         self.assertEqual(env["%x.grad"], x.grad)
         self.assertEqual(env[t.name_of(g)], g)
@@ -386,7 +397,9 @@ class TestNesting(TestCase):
             loss = (b * 3).sum()
         self.assertIsNone(current_trace())
         loss.backward()
-        self.assertExpectedInline(str(outer), """\
+        self.assertExpectedInline(
+            str(outer),
+            """\
 inputs:
   %x: f32[2] requires_grad
   %arg0: f32[2] requires_grad
@@ -404,8 +417,11 @@ backward 1:
   MulBackward0 (node 0):
     %5 = aten.mul.Tensor(%arg2, 2)  # f32[2]
   AccumulateGrad (%x):
-    %x.grad += %5""")
-        self.assertExpectedInline(str(inner), """\
+    %x.grad += %5""",
+        )
+        self.assertExpectedInline(
+            str(inner),
+            """\
 inputs:
   %arg0: f32[2] requires_grad
   %arg1: f32[2]
@@ -414,7 +430,8 @@ forward:
 backward 1:
   SinBackward0 (node 0):
     %1 = aten.cos.default(%arg0)  # f32[2]
-    %2 = aten.mul.Tensor(%arg1, %1)  # f32[2]""")
+    %2 = aten.mul.Tensor(%arg1, %1)  # f32[2]""",
+        )
         self.assertEqual(outer.name_of(b), "%arg0")
         self.assertEqual(inner.name_of(a), "%arg0")
 
@@ -653,9 +670,7 @@ class TestToFx(TestCase):
 
     def test_replays_conv_batchnorm_and_tensor_lists_without_touching_the_model(self):
         torch.manual_seed(2)
-        model = torch.nn.Sequential(
-            torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.ReLU()
-        )
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.ReLU())
         x = torch.randn(2, 2, 6, 6)
         with trace(names=model) as t:
             y = model(x)
@@ -672,9 +687,7 @@ class TestToFx(TestCase):
             lin = torch.nn.Linear(3, 3)
             x = torch.randn(2, 3, requires_grad=True)
             with trace(names={"x": x, **dict(lin.named_parameters())}) as t:
-                loss = torch.utils.checkpoint.checkpoint(
-                    lambda a: lin(a).relu(), x, use_reentrant=use_reentrant
-                ).sum()
+                loss = torch.utils.checkpoint.checkpoint(lambda a: lin(a).relu(), x, use_reentrant=use_reentrant).sum()
             loss.backward()
             backward = str(t).split("backward 1:")[1]
             # The recomputation (the checkpoint stops it inside relu, once relu's output is saved).
@@ -697,18 +710,24 @@ class TestToFx(TestCase):
             y = (x * x).sum()
         y.backward()
         graphs = t.to_fx()
-        self.assertExpectedInline(graphs.forward.code.strip(), """\
+        self.assertExpectedInline(
+            graphs.forward.code.strip(),
+            """\
 def forward(self, x):
     v0 = torch.ops.aten.mul.Tensor(x, x);  x = None
     v1 = torch.ops.aten.sum.default(v0);  v0 = None
-    return {'%1': v1}""")
-        self.assertExpectedInline(graphs.backward[0].code.strip(), """\
+    return {'%1': v1}""",
+        )
+        self.assertExpectedInline(
+            graphs.backward[0].code.strip(),
+            """\
 def forward(self, arg0, x):
     v2 = torch.ops.aten.expand.default(arg0, [2]);  arg0 = None
     v3 = torch.ops.aten.mul.Tensor(v2, x)
     v4 = torch.ops.aten.mul.Tensor(v2, x);  v2 = x = None
     v5 = torch.ops.aten.add_.Tensor(v4, v3);  v4 = v3 = None
-    return {'%x.grad': v5}""")
+    return {'%x.grad': v5}""",
+        )
 
     def test_run_needs_inputs_the_trace_no_longer_holds(self):
         a = torch.ones(2, requires_grad=True)
@@ -789,9 +808,7 @@ class TestErrors(TestCase):
         )
         with self.assertRaises(TypeError) as cm:
             t.name_of(3)
-        self.assertExpectedInline(
-            str(cm.exception), """Trace.name_of: expected a torch.Tensor, got int."""
-        )
+        self.assertExpectedInline(str(cm.exception), """Trace.name_of: expected a torch.Tensor, got int.""")
 
 
 class TestPublicApi(TestCase):

@@ -6,10 +6,10 @@ NOTE [Upgrading an existing op] in torch_autobatch/_upgrade.py.
 from __future__ import annotations
 
 import torch
+from oracles import make_scaled_rule_op
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from oracles import make_scaled_rule_op
 
 NS = "tab_upgrade"
 
@@ -27,8 +27,13 @@ def _third_party_softclip(name: str):
         calls.append(x.shape)
         return scale * torch.tanh(x / scale)
 
-    op = make_scaled_rule_op(f"{NS}::{name}", softclip, lambda x, scale: 1 - torch.tanh(x / scale) ** 2,
-                             save_for_backward=True, define=torch.library.custom_op)
+    op = make_scaled_rule_op(
+        f"{NS}::{name}",
+        softclip,
+        lambda x, scale: 1 - torch.tanh(x / scale) ** 2,
+        save_for_backward=True,
+        define=torch.library.custom_op,
+    )
     op.register_fake(lambda x, scale: torch.empty_like(x))
     return op, calls
 
@@ -101,8 +106,9 @@ class TestUpgradeLibraryOp(TestCase):
         lib.define("cube(Tensor x) -> Tensor")
         lib.impl("cube", lambda x: calls.append(x.shape) or x * x * x, "CompositeExplicitAutograd")
         cube = torch_autobatch.autobatch(torch.ops.tab_upgrade.cube)
-        cube.register_autograd(lambda ctx, g: 2 * 3 * g * ctx.x**2,
-                               setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+        cube.register_autograd(
+            lambda ctx, g: 2 * 3 * g * ctx.x**2, setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
+        )
         xs = _x(50, 4)
         calls.clear()
         self.assertEqual(torch.vmap(torch.ops.tab_upgrade.cube)(xs), xs**3)

@@ -9,6 +9,7 @@ import warnings
 from typing import Optional
 
 import torch
+from oracles import check_same_as_plain, randn, twice, vmap_equals_loop, vmap_loop
 from torch.func import grad, jacrev, vjp, vmap
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -18,7 +19,6 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
-from oracles import check_same_as_plain, randn, twice, vmap_equals_loop, vmap_loop
 
 CALLS = {"f": 0, "two": 0, "rule": 0}
 
@@ -51,9 +51,7 @@ def f_ref(x, y):
 
 # Two outputs, a float argument, an optional tensor.
 @torch_autobatch.custom_op("tab_vmap::two", mutates_args=())
-def two(
-    x: torch.Tensor, scale: float, bias: Optional[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def two(x: torch.Tensor, scale: float, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     CALLS["two"] += 1
     a = torch.tanh(x) * scale
     if bias is not None:
@@ -127,8 +125,10 @@ def _ruled_rule(info, in_dims, x):
     return torch.sin(x), in_dims[0]
 
 
-ruled.register_autograd(lambda ctx, g: 2 * g * torch.cos(ctx.saved_tensors[0]),
-                        setup_context=lambda ctx, inputs, out: ctx.save_for_backward(inputs[0]))
+ruled.register_autograd(
+    lambda ctx, g: 2 * g * torch.cos(ctx.saved_tensors[0]),
+    setup_context=lambda ctx, inputs, out: ctx.save_for_backward(inputs[0]),
+)
 
 
 class TestVmap(TestCase):
@@ -172,9 +172,7 @@ class TestVmap(TestCase):
             x, bias = inputs
             return two(x, scale, bias=bias)
 
-        got = self.assertRunsOnce(
-            "two", lambda: vmap(fn, in_dims=((0, None), None))((x, b), 0.5)
-        )
+        got = self.assertRunsOnce("two", lambda: vmap(fn, in_dims=((0, None), None))((x, b), 0.5))
         self.assertEqual(got, vmap_loop(fn, ((0, None), None), (x, b), 0.5))
 
     def test_out_dims_and_chunk_size(self):
@@ -256,12 +254,10 @@ class TestVmap(TestCase):
 
     def test_vmap_vmap_grad_and_grad_vmap_vmap(self):
         x, y = randn(2, 3, 4), randn(2, 3, 4)
-        self.assertEqual(*check_same_as_plain(
-            lambda g: vmap(vmap(grad(lambda x, y: g(x, y).pow(2).sum()))), f, f_ref, x, y
-        ))
-        got = self.assertRunsOnce(
-            "f", lambda: grad(lambda x: vmap(vmap(f))(x, y).pow(2).sum())(x)
+        self.assertEqual(
+            *check_same_as_plain(lambda g: vmap(vmap(grad(lambda x, y: g(x, y).pow(2).sum()))), f, f_ref, x, y)
         )
+        got = self.assertRunsOnce("f", lambda: grad(lambda x: vmap(vmap(f))(x, y).pow(2).sum())(x))
         self.assertEqual(got, grad(lambda x: vmap(vmap(f_ref))(x, y).pow(2).sum())(x))
 
     def test_hessian_of_vmapped(self):
@@ -287,12 +283,8 @@ class TestVmap(TestCase):
     def test_double_backward_through_vmap(self):
         x, w = randn(5, 4), randn(4)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        (ga,) = torch.autograd.grad(
-            vmap(f, in_dims=(0, None))(xa, w).pow(2).sum(), xa, create_graph=True
-        )
-        (gb,) = torch.autograd.grad(
-            vmap(f_ref, in_dims=(0, None))(xb, w).pow(2).sum(), xb, create_graph=True
-        )
+        (ga,) = torch.autograd.grad(vmap(f, in_dims=(0, None))(xa, w).pow(2).sum(), xa, create_graph=True)
+        (gb,) = torch.autograd.grad(vmap(f_ref, in_dims=(0, None))(xb, w).pow(2).sum(), xb, create_graph=True)
         self.assertEqual(ga, gb)
         self.assertEqual(torch.autograd.grad(ga.sum(), xa)[0], torch.autograd.grad(gb.sum(), xb)[0])
 
@@ -335,9 +327,7 @@ class TestVmap(TestCase):
         xa = x.clone().requires_grad_()
         vmap(looped)(xa).sum().backward()
         self.assertEqual(xa.grad, 2 * x.sum(-1, keepdim=True).expand_as(x))
-        self.assertEqual(
-            vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x)
-        )
+        self.assertEqual(vmap(grad(lambda x: looped(x).sum()))(x), 2 * x.sum(-1, keepdim=True).expand_as(x))
 
     def test_loop_mode_randomness_same_draws_one_sample_for_all(self):
         # As for a plain function: every example gets the numbers one draw

@@ -38,6 +38,7 @@ from ._upgrade import autobatch
 from ._version import __version__
 
 __all__ = [
+    "__version__",
     "BackwardContext",
     "UntestedTorchWarning",
     "autobatch",

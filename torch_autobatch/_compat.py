@@ -42,9 +42,7 @@ def _release(version: str) -> str:
     return version.split("+")[0]
 
 
-def check_torch_version(
-    compiled: Optional[str], running: str, allow_untested: bool = False
-) -> None:
+def check_torch_version(compiled: Optional[str], running: str, allow_untested: bool = False) -> None:
     """Raises ImportError (or warns) when the extension does not fit the running torch.
 
     ``compiled`` is the torch version the extension was built against (None
@@ -88,6 +86,4 @@ def check_running_torch() -> None:
         compiled: Optional[str] = TORCH_VERSION
     except ImportError:
         compiled = None
-    check_torch_version(
-        compiled, str(torch.__version__), os.environ.get(ALLOW_UNTESTED_ENV) == "1"
-    )
+    check_torch_version(compiled, str(torch.__version__), os.environ.get(ALLOW_UNTESTED_ENV) == "1")

@@ -56,8 +56,9 @@ import sys
 import threading
 import types
 import weakref
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -84,7 +85,7 @@ _lock = threading.Lock()
 _pending: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 # Every op (listed or opaque), for its cache-key fingerprint (NOTE [The
 # compile cache key names the function]).
-_ops: "weakref.WeakSet[CustomOpDef]" = weakref.WeakSet()
+_ops: weakref.WeakSet[CustomOpDef] = weakref.WeakSet()
 _hook_installed = False
 
 _MARKER_LIB = torch.library.Library("torch_autobatch", "FRAGMENT")  # noqa: TOR901
@@ -219,9 +220,9 @@ def refresh_cache_key(opdef: CustomOpDef) -> None:
         return
     key = f"torch.ops.{opdef._namespace}.{opdef._name}"
     # Inductor's config module sets its attributes at import: mypy cannot see them.
-    marked = dict(getattr(config, "unsafe_marked_cacheable_functions"))
+    marked = dict(config.unsafe_marked_cacheable_functions)
     marked[key] = fingerprint(opdef)
-    setattr(config, "unsafe_marked_cacheable_functions", marked)
+    config.unsafe_marked_cacheable_functions = marked  # type: ignore[attr-defined]
 
 
 def fingerprint(opdef: CustomOpDef) -> str:
@@ -232,8 +233,14 @@ def fingerprint(opdef: CustomOpDef) -> str:
     """
     ab = opdef._ab
     rules = [
-        opdef._init_fn, *opdef._backend_fns.values(), opdef._backward_fn, opdef._setup_context_fn,
-        ab.jvp_fn, ab.jvp_setup_context_fn, opdef._vmap_fn, opdef._abstract_fn,
+        opdef._init_fn,
+        *opdef._backend_fns.values(),
+        opdef._backward_fn,
+        opdef._setup_context_fn,
+        ab.jvp_fn,
+        ab.jvp_setup_context_fn,
+        opdef._vmap_fn,
+        opdef._abstract_fn,
     ]
     h = hashlib.sha256(f"{opdef._qualname}{opdef._schema}".encode())
     try:

@@ -23,7 +23,8 @@ import inspect
 import os
 import sys
 import types
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union, overload
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, TypeVar, Union, overload
 
 import torch
 from torch._library import custom_ops as _torch_custom_ops
@@ -33,7 +34,6 @@ from torch._library import utils as _library_utils
 from . import _C, _compile
 from ._kernel_side import KernelSide, OpExtras
 from ._schema import schema_of
-
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]
@@ -167,8 +167,10 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         self._ab = OpExtras(
             kwarg_only=tuple(a.name for a in schema_args if a.kwarg_only),
             positional_grads_ok=not any(
-                a.kwarg_only and _library_utils.is_tensorlist_like_type(a.type)
-                or a.kwarg_only and _library_utils.is_tensor_like_type(a.type)
+                a.kwarg_only
+                and _library_utils.is_tensorlist_like_type(a.type)
+                or a.kwarg_only
+                and _library_utils.is_tensor_like_type(a.type)
                 for a in schema_args
             ),
             num_returns=len(self._opoverload._schema.returns),
@@ -259,9 +261,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
     # ------------------------------------------------------------- registration
     # torch's returns None; ours returns backward, so it stacks as a decorator.
     @overload  # type: ignore[override]
-    def register_autograd(
-        self, backward: F, /, *, setup_context: Optional[Callable[..., Any]] = None
-    ) -> F: ...
+    def register_autograd(self, backward: F, /, *, setup_context: Optional[Callable[..., Any]] = None) -> F: ...
 
     @overload
     def register_autograd(
@@ -314,8 +314,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
             return lambda fn: self.register_autograd(fn, setup_context=setup_context)
         if not callable(backward):
             raise TypeError(
-                f"{self._qualname}.register_autograd: expected backward to be callable, "
-                f"got {type(backward).__name__}."
+                f"{self._qualname}.register_autograd: expected backward to be callable, got {type(backward).__name__}."
             )
         if setup_context is not None and not callable(setup_context):
             raise TypeError(
@@ -350,9 +349,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
             (tensor([0., 0.]), torch.Size([3]))
         """
         if not callable(fn):
-            raise TypeError(
-                f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}."
-            )
+            raise TypeError(f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}.")
         super().register_fake(fn)
         self._set_fake_source(_user_source())
         _compile.refresh_cache_key(self)
@@ -368,9 +365,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         return result
 
     @overload
-    def register_jvp(
-        self, jvp: F, /, *, setup_context: Optional[Callable[..., Any]] = None
-    ) -> F: ...
+    def register_jvp(self, jvp: F, /, *, setup_context: Optional[Callable[..., Any]] = None) -> F: ...
 
     @overload
     def register_jvp(
@@ -415,10 +410,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         if jvp is None:
             return lambda fn: self.register_jvp(fn, setup_context=setup_context)
         if not callable(jvp):
-            raise TypeError(
-                f"{self._qualname}.register_jvp: expected jvp to be callable, "
-                f"got {type(jvp).__name__}."
-            )
+            raise TypeError(f"{self._qualname}.register_jvp: expected jvp to be callable, got {type(jvp).__name__}.")
         if setup_context is not None and not callable(setup_context):
             raise TypeError(
                 f"{self._qualname}.register_jvp: expected setup_context to be "
@@ -458,9 +450,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         if rule is None:
             return lambda fn: self.register_vmap(fn)
         if not callable(rule):
-            raise TypeError(
-                f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}."
-            )
+            raise TypeError(f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}.")
         self._vmap_fn = rule
         self._ab.registration.set_vmap_mode(_C.VmapMode.rule)
         _compile.refresh_cache_key(self)
@@ -505,6 +495,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
                 f"that returns empty tensors of the output shapes (torch.empty_like, "
                 f"x.new_empty)."
             ) from e
+
 
 # The exception types a fake kernel's failure is explained for (exactly these:
 # see CustomOpDef._fake_impl).
@@ -564,13 +555,9 @@ def custom_op(
             kernel. ``torch.export`` keeps the op as one node either way.
     """
     if vmap not in ("auto", "loop"):
-        raise ValueError(
-            f"torch_autobatch.custom_op({name!r}): vmap must be 'auto' or 'loop', got {vmap!r}."
-        )
+        raise ValueError(f"torch_autobatch.custom_op({name!r}): vmap must be 'auto' or 'loop', got {vmap!r}.")
     if compile not in _compile.COMPILE_MODES:
-        raise ValueError(
-            f"torch_autobatch.custom_op({name!r}): compile must be 'fuse' or 'opaque', got {compile!r}."
-        )
+        raise ValueError(f"torch_autobatch.custom_op({name!r}): compile must be 'fuse' or 'opaque', got {compile!r}.")
 
     def inner(f: Callable[..., Any]) -> CustomOpDef:
         if "::" not in name:

@@ -11,7 +11,8 @@ rename on either side fails a test rather than a kernel at run time.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch._functorch.autograd_function import custom_function_call_vmap_helper
@@ -38,8 +39,14 @@ class OpExtras:
     """
 
     __slots__ = (
-        "kwarg_only", "positional_grads_ok", "num_returns", "setup_context_kwonly",
-        "jvp_fn", "jvp_setup_context_fn", "jvp_setup_context_kwonly", "registration",
+        "kwarg_only",
+        "positional_grads_ok",
+        "num_returns",
+        "setup_context_kwonly",
+        "jvp_fn",
+        "jvp_setup_context_fn",
+        "jvp_setup_context_kwonly",
+        "registration",
         "inductor_decomposition",
     )
 
@@ -182,11 +189,7 @@ class KernelSide:
         if not isinstance(result, tuple):
             result = (result,)
         kwarg_only = self._ab.kwarg_only
-        if (
-            kwarg_only
-            and self._ab.positional_grads_ok
-            and len(result) == len(ctx.needs_input_grad) - len(kwarg_only)
-        ):
+        if kwarg_only and self._ab.positional_grads_ok and len(result) == len(ctx.needs_input_grad) - len(kwarg_only):
             result += (None,) * len(kwarg_only)
         return result
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
 
 import torch
 from torch._library import custom_ops as _torch_custom_ops
@@ -21,8 +22,10 @@ def schema_of(
     A given schema must mutate exactly ``mutates_args`` (unless ``"unknown"``).
     """
     # (tags: torch.Tag.inplace / out give the return's aliasing, as in torch.library)
-    op_schema = schema if schema is not None else infer_schema(
-        fn, mutates_args=mutates_args, tags=_torch_custom_ops._normalize_tags(tags)
+    op_schema = (
+        schema
+        if schema is not None
+        else infer_schema(fn, mutates_args=mutates_args, tags=_torch_custom_ops._normalize_tags(tags))
     )
     check_schema(name, op_schema)
     if schema is not None:
@@ -52,8 +55,7 @@ def check_schema(qualname: str, schema: str) -> None:
     }
     aliasing = [a for a in parsed.arguments if a.alias_info is not None and not a.alias_info.is_write]
     returns_a_view = any(
-        r.alias_info is not None
-        and not (r.alias_info.is_write and frozenset(r.alias_info.before_set) in mutated_sets)
+        r.alias_info is not None and not (r.alias_info.is_write and frozenset(r.alias_info.before_set) in mutated_sets)
         for r in parsed.returns
     )
     if aliasing or returns_a_view:

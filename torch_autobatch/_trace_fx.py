@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -84,9 +85,7 @@ class TraceGraphs:
     def __repr__(self) -> str:
         return f"<torch_autobatch.TraceGraphs: {len(self.modules)} modules>"
 
-    def run(
-        self, inputs: Optional[Mapping[str, _Tensor]] = None, *, clone_inputs: bool = True
-    ) -> dict[str, _Tensor]:
+    def run(self, inputs: Optional[Mapping[str, _Tensor]] = None, *, clone_inputs: bool = True) -> dict[str, _Tensor]:
         """Runs every module in order under ``torch.no_grad()``; returns all they return.
 
         Args:
@@ -128,7 +127,8 @@ class TraceGraphs:
         with torch.no_grad():
             for gm in self.modules:
                 args = []
-                for name in gm.input_names:  # type: ignore[attr-defined]
+                input_names: list[str] = gm.input_names  # type: ignore[assignment]  # set by build_graphs
+                for name in input_names:
                     if env.get(name) is None:
                         raise ValueError(
                             f"TraceGraphs.run: no value for the input {name!r}: the trace "
@@ -188,7 +188,7 @@ def build_graphs(entries: Sequence[_Entry], inputs: Sequence[_Input]) -> TraceGr
 
         def fx(a: Any) -> Any:
             if isinstance(a, _Value):
-                return nodes[a]
+                return nodes[a]  # noqa: B023  (fx is used within this iteration only)
             if type(a) is list or type(a) is tuple:
                 return type(a)(fx(x) for x in a)
             return a
@@ -199,13 +199,15 @@ def build_graphs(entries: Sequence[_Entry], inputs: Sequence[_Input]) -> TraceGr
             if func is _ACCUMULATE:  # two runs in one module (threads): their sum
                 key, grad = f"{e.args[0]}.grad", nodes[e.args[-1]]
                 prev = results.get(key)
-                results[key] = grad if prev is None else graph.call_function(
-                    operator.add, (prev, grad))
+                results[key] = grad if prev is None else graph.call_function(operator.add, (prev, grad))
                 continue
             name = _fx_name(str(outs)) if type(outs) is _Value else None
             node = graph.create_node(
-                "call_function", func, tuple(fx(e.args)),
-                {k: fx(a) for k, a in e.kwargs.items()}, name=name,
+                "call_function",
+                func,
+                tuple(fx(e.args)),
+                {k: fx(a) for k, a in e.kwargs.items()},
+                name=name,
             )
             if type(outs) is _Value:
                 nodes[outs] = node
@@ -220,7 +222,8 @@ def build_graphs(entries: Sequence[_Entry], inputs: Sequence[_Input]) -> TraceGr
                 results[str(v)] = node  # used later, or never: a result
         graph.output(results)
         gm = torch.fx.GraphModule(
-            torch.nn.Module(), graph,
+            torch.nn.Module(),
+            graph,
             class_name="TraceForward" if pass_no == 0 else f"TraceBackward{pass_no}",
         )
         gm.input_names = tuple(str(v) for v in placeholders)  # type: ignore[assignment]

@@ -9,7 +9,8 @@ into these objects.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -30,6 +31,10 @@ class _Value:
     """
 
     __slots__ = ("num", "shape", "dtype", "node")
+    num: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    node: Optional[int]
 
     def __str__(self) -> str:
         return f"%{self.num}"
@@ -41,6 +46,9 @@ class _Input(_Value):
     """A tensor that no recorded op made; calling it gives the tensor, or None if freed."""
 
     __slots__ = ("name", "requires_grad", "_get")
+    name: str
+    requires_grad: bool
+    _get: Callable[[], Optional[_Tensor]]
 
     def __str__(self) -> str:
         return self.name
@@ -100,7 +108,7 @@ class _OpInfo:
 
     __slots__ = ("func", "kwarg_only", "defaults")
 
-    _by_id: dict[int, "_OpInfo"] = {}
+    _by_id: dict[int, _OpInfo] = {}
 
     def __init__(self, op_id: int) -> None:
         qualname, overload = _C._op_name(op_id)
@@ -109,11 +117,10 @@ class _OpInfo:
         self.func = getattr(packet, overload or "default")
         args = self.func._schema.arguments
         self.kwarg_only = [a.name if a.kwarg_only else None for a in args]
-        self.defaults = [(True, a.default_value) if a.has_default_value() else (False, None)
-                         for a in args]
+        self.defaults = [(True, a.default_value) if a.has_default_value() else (False, None) for a in args]
 
     @classmethod
-    def of(cls, op_id: int) -> "_OpInfo":
+    def of(cls, op_id: int) -> _OpInfo:
         info = cls._by_id.get(op_id)
         if info is None:
             info = cls._by_id[op_id] = cls(op_id)
@@ -134,8 +141,10 @@ class _OpInfo:
 
 
 def _same(a: Any, default: Any) -> bool:
-    if isinstance(a, _Value) or type(a) is not type(default) and not (
-        isinstance(a, (int, float)) and isinstance(default, (int, float))
+    if (
+        isinstance(a, _Value)
+        or type(a) is not type(default)
+        and not (isinstance(a, (int, float)) and isinstance(default, (int, float)))
     ):
         return a is default
     try:
@@ -170,8 +179,7 @@ def read_record(
         v.name, v.requires_grad = name, requires_grad
         v._get = _input_getter(impl, k)
         inputs.append(v)
-    groups = [_Group(p, name, node if value is None else values[value])
-              for p, name, node, value in raw_groups]
+    groups = [_Group(p, name, node if value is None else values[value]) for p, name, node, value in raw_groups]
     entries = []
     for group, op_id, args, outs, refs in raw_entries:
         for out, pos, elem, value in refs:

@@ -51,7 +51,8 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 import torch
 
@@ -62,9 +63,18 @@ from ._trace_record import _ACCUMULATE, _Entry, _Tensor, _Value, read_record
 __all__ = ["Trace", "current_trace", "trace"]
 
 _DTYPE_ABBR = {
-    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
 }
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]*\Z")  # as in module parameter names
 _RESERVED_NAME_RE = re.compile(r"(arg)?\d+\Z|.*\.grad\Z")  # %3, %arg3, %w.grad
@@ -132,7 +142,7 @@ class Trace:
         _traces[self._impl.id] = self
 
     @classmethod
-    def _of(cls, impl: Any) -> "Trace":
+    def _of(cls, impl: Any) -> Trace:
         t = _traces.get(impl.id)
         if t is None:
             t = cls.__new__(cls)
@@ -165,9 +175,7 @@ class Trace:
             ('%x', '%1')
         """
         if not isinstance(tensor, _Tensor):
-            raise TypeError(
-                f"Trace.name_of: expected a torch.Tensor, got {type(tensor).__name__}."
-            )
+            raise TypeError(f"Trace.name_of: expected a torch.Tensor, got {type(tensor).__name__}.")
         v = self._impl.value_of(tensor)
         if v < 0:
             raise KeyError(
@@ -253,7 +261,7 @@ class Trace:
 
 
 # record id -> the Trace object showing it, while someone holds that object
-_traces: "weakref.WeakValueDictionary[int, Trace]" = weakref.WeakValueDictionary()
+_traces: weakref.WeakValueDictionary[int, Trace] = weakref.WeakValueDictionary()
 
 
 def _format_arg(a: Any) -> str:
@@ -274,7 +282,7 @@ def _format_entry(entry: _Entry) -> str:
     if type(outs) is tuple:
         values = [o for o in outs if type(o) is _Value]
         lhs = ", ".join(str(o) if type(o) is _Value else "_" for o in outs)
-        nodes = sorted({o.node for o in values} - {None})
+        nodes = sorted({o.node for o in values if o.node is not None})
         node = f", node {nodes[0]}" if nodes else ""
         return f"{lhs or '_'} = {call}  # ({', '.join(_type_str(o) for o in values)}){node}"
     return call if outs is None else f"_ = {call}  # {outs!r}"
@@ -304,8 +312,8 @@ def _suspend_custom_op_fast_paths() -> None:
 
         for opdef in list(OPDEFS.values()):
             op = getattr(opdef, "_opoverload", None)
-            if getattr(op, "_is_pyobj_dispatcher_enabled", lambda: False)():
-                op._enable_pyobj_dispatch(False)
+            if op is not None and getattr(op, "_is_pyobj_dispatcher_enabled", lambda: False)():
+                op._enable_pyobj_dispatch(False)  # torch >= 2.14
                 _fast_path_ops.append(op)
 
 
@@ -316,7 +324,7 @@ def _resume_custom_op_fast_paths() -> None:
         if _open_blocks > 0:
             return
         for op in _fast_path_ops:
-            op._enable_pyobj_dispatch(True)
+            op._enable_pyobj_dispatch(True)  # type: ignore[attr-defined]  # torch >= 2.14
         _fast_path_ops.clear()
 
 
@@ -331,8 +339,7 @@ class _TraceBlock:
     def __enter__(self) -> Trace:
         if self._trace is not None:
             raise RuntimeError(
-                "torch_autobatch.trace(): this block was already entered; call trace() "
-                "again for a new one."
+                "torch_autobatch.trace(): this block was already entered; call trace() again for a new one."
             )
         t = self._trace = Trace(self._names)
         _suspend_custom_op_fast_paths()
@@ -345,7 +352,7 @@ class _TraceBlock:
         return t
 
     def __exit__(self, *exc: Any) -> None:
-        if self._active:
+        if self._active and self._trace is not None:
             self._active = False
             try:
                 _C._trace_pop(self._trace._impl)
@@ -360,15 +367,18 @@ def _check_names(names: Any) -> Optional[dict[str, _Tensor]]:
     if isinstance(names, torch.nn.Module):
         names = {**dict(names.named_parameters()), **dict(names.named_buffers())}
     elif not isinstance(names, Mapping):
-        raise TypeError(f"{where}: expected a mapping from name to tensor or an nn.Module, "
-                        f"got {type(names).__name__}.")
+        raise TypeError(f"{where}: expected a mapping from name to tensor or an nn.Module, got {type(names).__name__}.")
     for name, t in names.items():
         if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ValueError(f"{where}: got the name {name!r}; expected letters, digits, '_' "
-                             "and '.' (e.g. 'x', 'fc1.weight', '0.bias').")
+            raise ValueError(
+                f"{where}: got the name {name!r}; expected letters, digits, '_' "
+                "and '.' (e.g. 'x', 'fc1.weight', '0.bias')."
+            )
         if _RESERVED_NAME_RE.match(name):
-            raise ValueError(f"{where}: the name {name!r} is reserved (N names outputs, argN "
-                             "unnamed inputs, .grad gradients); choose another.")
+            raise ValueError(
+                f"{where}: the name {name!r} is reserved (N names outputs, argN "
+                "unnamed inputs, .grad gradients); choose another."
+            )
         if not isinstance(t, _Tensor):
             raise TypeError(f"{where}: expected a tensor for {name!r}, got {type(t).__name__}.")
     return dict(names)

@@ -107,7 +107,7 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
         overload = _library_utils.lookup_op(qualname)
     except (AttributeError, RuntimeError):
         _refuse(qualname, "no such operator; define it first (torch.library.custom_op).")
-    schema = str(overload._schema)[len(qualname):]
+    schema = str(overload._schema)[len(qualname) :]
     check_schema(qualname, schema)
     if opdef is not None:
         # torch's pyobj fast path (torch >= 2.14) is for torch's kernels: go
@@ -121,15 +121,23 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
 
     has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)  # noqa: E731
     if has("CompositeImplicitAutograd"):
-        _refuse(qualname, "it is CompositeImplicitAutograd: it decomposes into torch ops, which "
-                          "already work under every torch.func transform.")
+        _refuse(
+            qualname,
+            "it is CompositeImplicitAutograd: it decomposes into torch ops, which "
+            "already work under every torch.func transform.",
+        )
     if not any(has(k) for k in ("CompositeExplicitAutograd", "CPU", "CUDA")):
-        _refuse(qualname, "it has no backend kernel (CompositeExplicitAutograd, CPU or CUDA) "
-                          "for torch_autobatch to run batched.")
+        _refuse(
+            qualname,
+            "it has no backend kernel (CompositeExplicitAutograd, CPU or CUDA) for torch_autobatch to run batched.",
+        )
     if has("Autograd") or has("AutogradCPU") or has("AutogradCUDA"):
-        _refuse(qualname, "it has an Autograd kernel whose backward torch_autobatch cannot see. "
-                          "Upgrade the op before registering its backward, and register it on "
-                          "the op autobatch returns (or define the op with torch.library.custom_op).")
+        _refuse(
+            qualname,
+            "it has an Autograd kernel whose backward torch_autobatch cannot see. "
+            "Upgrade the op before registering its backward, and register it on "
+            "the op autobatch returns (or define the op with torch.library.custom_op).",
+        )
 
     def kernel_not_visible(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(

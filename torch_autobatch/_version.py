@@ -13,6 +13,4 @@ __version__ = "0.1.0"
 #: Tested torch releases: (major, minor) from TORCH_MIN up to, not including, TORCH_END.
 TORCH_MIN = (2, 13)
 TORCH_END = (2, 16)
-TORCH_REQUIREMENT = (
-    f"torch>={TORCH_MIN[0]}.{TORCH_MIN[1]},<{TORCH_END[0]}.{TORCH_END[1]}"
-)
+TORCH_REQUIREMENT = f"torch>={TORCH_MIN[0]}.{TORCH_MIN[1]},<{TORCH_END[0]}.{TORCH_END[1]}"
