@@ -35,10 +35,9 @@ from ._custom_op import CustomOpDef, custom_op
 from ._trace_fx import TraceGraphs
 from ._tracer import Trace, current_trace, trace
 from ._upgrade import autobatch
-from ._version import __version__
+from ._version import __version__ as __version__
 
 __all__ = [
-    "__version__",
     "BackwardContext",
     "UntestedTorchWarning",
     "autobatch",

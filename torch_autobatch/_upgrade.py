@@ -119,6 +119,21 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
         ours._install(vmap, compile)
         return ours
 
+    _check_library_op(qualname)
+
+    def kernel_not_visible(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"torch_autobatch: {qualname}'s kernel is not a Python function torch_autobatch "
+            f"can run for forward-mode AD. Register a jvp with "
+            f"torch_autobatch.autobatch(...).register_jvp(jvp)."
+        )
+
+    kernel_not_visible.__qualname__ = name
+    return CustomOpDef(namespace, name, schema, kernel_not_visible, None, vmap, define=False, compile=compile)
+
+
+def _check_library_op(qualname: str) -> None:
+    """Refuses a ``torch.library.Library`` op whose kernels we could not stand in for."""
     has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)  # noqa: E731
     if has("CompositeImplicitAutograd"):
         _refuse(
@@ -138,13 +153,3 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
             "Upgrade the op before registering its backward, and register it on "
             "the op autobatch returns (or define the op with torch.library.custom_op).",
         )
-
-    def kernel_not_visible(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"torch_autobatch: {qualname}'s kernel is not a Python function torch_autobatch "
-            f"can run for forward-mode AD. Register a jvp with "
-            f"torch_autobatch.autobatch(...).register_jvp(jvp)."
-        )
-
-    kernel_not_visible.__qualname__ = name
-    return CustomOpDef(namespace, name, schema, kernel_not_visible, None, vmap, define=False, compile=compile)
