@@ -64,6 +64,8 @@ class AutogradKernel final : public c10::OperatorKernel {
       }
     }
 
+    // NOTE [Residuals of register_vjp]: open until setup_context has run.
+    ResidualRequest residuals(state_.get(), needs_node && state_->has_vjp.load());
     const bool called_directly = run_below_autograd(op, ks, stack, needs_node);
     if (state_->returns_an_argument) {
       return_the_arguments(*state_, saved_args, stack); // NOTE [Returned mutated arguments]
@@ -81,6 +83,8 @@ class AutogradKernel final : public c10::OperatorKernel {
           state_, std::move(arg_slots), ret_slots, inputs, inputs, std::vector<VmapFrame>{},
           passed_arguments(saved_args, schema.arguments()).num_positional);
       node->set_history(outputs);
+      const auto layer = functorch::maybeCurrentDynamicLayer();
+      node->set_level(layer.has_value() ? layer->layerId() : 0);
     }
     py::gil_scoped_acquire gil;
     if (any_tangent) {

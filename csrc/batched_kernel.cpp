@@ -121,6 +121,10 @@ class BatchedKernel final : public c10::OperatorKernel {
 
     const bool grad_mode = c10::GradMode::is_enabled();
     std::vector<c10::IValue> saved_args(args.begin(), args.end());
+    // NOTE [Residuals of register_vjp]: open until the level walk's setup_context.
+    ResidualRequest residuals(
+        state_.get(), mode == VmapMode::Composite && state_->has_vjp.load() &&
+                          !nothing_to_attach(*state_, grad_mode, inputs));
     {
       c10::AutoGradMode no_grad(false);
       // NOTE [Forward mode under vmap]: with a registered jvp, tangents at the

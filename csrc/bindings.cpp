@@ -48,6 +48,43 @@ PYBIND11_MODULE(_C, m) {
           "set_has_jvp", [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },
           "Whether the op has a registered jvp (register_jvp).")
       .def(
+          "set_has_vjp", [](tab::Registration& r, bool has) { r.state->has_vjp.store(has); },
+          "Whether the op has a registered vjp (register_vjp).")
+      // NOTE [Residuals of register_vjp]
+      .def(
+          "take_residual_request",
+          [](tab::Registration& r) {
+            bool took = false;
+            for (auto* q = tab::t_residual_request; q != nullptr; q = q->prev) {
+              if (q->op == r.state.get() && !q->taken) {
+                q->taken = took = true;
+              }
+            }
+            return took;
+          },
+          "Takes this thread's open requests for the op's residuals: run fwd.")
+      .def(
+          "deliver_residuals",
+          [](tab::Registration& r, py::object residuals) {
+            for (auto* q = tab::t_residual_request; q != nullptr; q = q->prev) {
+              if (q->op == r.state.get() && q->taken && !q->residuals) {
+                q->residuals = tab::PyRef(residuals);
+              }
+            }
+          },
+          "Answers the taken requests with fwd's residuals.")
+      .def(
+          "current_residuals",
+          [](tab::Registration& r) -> py::object {
+            for (auto* q = tab::t_residual_request; q != nullptr; q = q->prev) {
+              if (q->op == r.state.get() && q->residuals) {
+                return py::reinterpret_borrow<py::object>(q->residuals.get());
+              }
+            }
+            return py::none();
+          },
+          "The residuals of the innermost answered request for the op, or None.")
+      .def(
           "destroy", [](tab::Registration& r) { r.state->deregister(); },
           "Deregisters the kernels now (idempotent).")
       .def_property_readonly("registered", [](const tab::Registration& r) {

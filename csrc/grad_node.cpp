@@ -104,6 +104,9 @@ SavedTensorsScope::~SavedTensorsScope() {
 }
 
 void bind_saved_tensors(py::module_& m) {
+  m.def(
+      "_backward_level", &backward_level,
+      "The functorch level of the grad node whose backward runs now (0: the base).");
   PyObject* type = make_saved_tensors_type();
   if (type == nullptr) {
     throw py::error_already_set();
@@ -252,6 +255,14 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
   return out;
 }
 
+namespace {
+thread_local int64_t t_backward_level = 0;
+} // namespace
+
+int64_t backward_level() {
+  return t_backward_level;
+}
+
 variable_list CustomOpNode::call_backward(
     const std::vector<at::Tensor>& saved,
     const variable_list& grads) const {
@@ -263,6 +274,14 @@ variable_list CustomOpNode::call_backward(
       py_saved[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i]));
     }
     SavedTensorsScope scope(ctx_.get(), py_saved);
+    const int64_t outer_level = t_backward_level;
+    t_backward_level = level_;
+    struct Restore {
+      int64_t level;
+      ~Restore() {
+        t_backward_level = level;
+      }
+    } restore{outer_level};
     py::object result =
         call_method(opdef_.get(), py_names().run_backward, {ctx_.get(), wrap_grads(grads)});
     return unwrap_input_grads(result);

@@ -40,6 +40,12 @@ class CustomOpNode final : public torch::autograd::Node {
   // Takes the saved tensors (at the node's level) and what ctx recorded:
   // outputs marked non-differentiable lose their edge (`outputs` at the
   // node's level), ctx.set_materialize_grads. Requires the GIL.
+  // The functorch level the node was attached at (0: the base), which the
+  // backward reports to Python: NOTE [Second derivatives through residuals]
+  // (_vjp.py).
+  void set_level(int64_t level) {
+    level_ = level;
+  }
   void save(
       py::handle ctx,
       const std::vector<at::Tensor>& saved,
@@ -80,6 +86,7 @@ class CustomOpNode final : public torch::autograd::Node {
   PyRef ctx_;
   PyRef opdef_; // the CustomOpDef, strongly: set by save()
   bool released_ = false;
+  int64_t level_ = 0;
 };
 
 // ctx.saved_tensors == saved for the scope's lifetime, on this thread only:
@@ -96,5 +103,9 @@ class SavedTensorsScope {
 // Adds _C._SavedTensors (the type of BackwardContext.saved_tensors) and
 // _C._call_with_saved_tensors.
 void bind_saved_tensors(py::module_& m);
+
+// The level of the grad node whose backward is running on this thread (0: the
+// base, or none).
+int64_t backward_level();
 
 } // namespace torch_autobatch

@@ -90,35 +90,6 @@ std::vector<at::Tensor> wrapped_at(const std::vector<at::Tensor>& ts, int64_t id
   return here;
 }
 
-// The common case of the walk, without its copies: only vmap levels (no Grad
-// or Jvp level to attach at), and at the base no input, with its batch dims
-// peeled, requires grad (with grad mode on) or has a tangent for the
-// registered jvp (forward-mode AD's dual tensors).
-bool nothing_to_attach(
-    const OpState& state,
-    bool grad_mode,
-    const std::vector<at::Tensor>& inputs) {
-  for (const auto& layer : functorch::getDynamicLayerStack()) {
-    if (layer.key() != TransformType::Vmap) {
-      return false;
-    }
-  }
-  const bool has_jvp = state.has_jvp.load();
-  if (!grad_mode && !has_jvp) {
-    return true;
-  }
-  for (at::Tensor t : inputs) {
-    while (auto* b = t.defined() ? functorch::maybeGetBatchedImpl(t) : nullptr) {
-      t = b->value();
-    }
-    if (t.defined() &&
-        ((grad_mode && t.requires_grad()) || (has_jvp && torch::autograd::isFwGradDefined(t)))) {
-      return false;
-    }
-  }
-  return true;
-}
-
 class LevelWalk {
  public:
   LevelWalk(
@@ -265,6 +236,7 @@ class LevelWalk {
         std::vector<VmapFrame>(frames_.rbegin(), frames_.rend()),
         passed_arguments(args_, schema_.arguments()).num_positional);
     node->set_history(out_here);
+    node->set_level(level < 0 ? 0 : level);
     sites_.push_back({std::move(node), level, frames_.size(), out_here});
   }
 
@@ -348,6 +320,35 @@ class LevelWalk {
 };
 
 } // namespace
+
+// The common case of the walk, without its copies: only vmap levels (no Grad
+// or Jvp level to attach at), and at the base no input, with its batch dims
+// peeled, requires grad (with grad mode on) or has a tangent for the
+// registered jvp (forward-mode AD's dual tensors).
+bool nothing_to_attach(
+    const OpState& state,
+    bool grad_mode,
+    const std::vector<at::Tensor>& inputs) {
+  for (const auto& layer : functorch::getDynamicLayerStack()) {
+    if (layer.key() != TransformType::Vmap) {
+      return false;
+    }
+  }
+  const bool has_jvp = state.has_jvp.load();
+  if (!grad_mode && !has_jvp) {
+    return true;
+  }
+  for (at::Tensor t : inputs) {
+    while (auto* b = t.defined() ? functorch::maybeGetBatchedImpl(t) : nullptr) {
+      t = b->value();
+    }
+    if (t.defined() &&
+        ((grad_mode && t.requires_grad()) || (has_jvp && torch::autograd::isFwGradDefined(t)))) {
+      return false;
+    }
+  }
+  return true;
+}
 
 void attach_grad_nodes(
     const std::shared_ptr<OpState>& state,

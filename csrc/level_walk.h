@@ -7,6 +7,10 @@
 
 namespace torch_autobatch {
 
+// Whether the walk would attach nothing: only vmap levels, and at the base no
+// input requires grad (with grad mode on) or has a registered-jvp tangent.
+bool nothing_to_attach(const OpState& state, bool grad_mode, const std::vector<at::Tensor>& inputs);
+
 // `inputs`/`outputs`: the op's flat tensors as the batched kernel sees them
 // (BatchedTensors of the top level); `args`/`returns` the schema values they
 // came from, with `arg_slots`/`ret_slots`. `grad_mode`: the grad mode in

@@ -42,6 +42,7 @@ struct OpState {
   PyRef opdef_weakref;
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
+  std::atomic<bool> has_vjp{false}; // register_vjp was called: NOTE [Residuals of register_vjp]
   // Its function needs an AD level to decompose some CompositeImplicit op:
   // NOTE [Decompositions under an AD level] (batched_kernel.cpp).
   std::atomic<bool> decompose_under_ad{false};
@@ -80,6 +81,40 @@ void redispatch_without_us(
 // being dispatched down to the levels below it, or 0; thread-local, set for
 // the guard's lifetime: NOTE [Decompositions under an AD level].
 inline thread_local int64_t t_sent_down_from_ad = 0;
+
+// NOTE [Residuals of register_vjp]
+// An op with register_vjp(fwd, bwd) runs fwd instead of its function when a
+// kernel of ours is about to make its grad node, and the node saves fwd's
+// residuals. The kernel asks for them with a ResidualRequest for the lifetime
+// of the call (running the op below it, then setup_context): whichever runs
+// the op below (the backend function, the fake kernel, Inductor's
+// decomposition: _kernel_side.py) takes the request (once) and answers every
+// open request of the op on this thread with the same residuals, so each
+// level's node of one call saves them. Thread-local and scoped to the call:
+// no state on the op that other calls or threads could read.
+struct ResidualRequest;
+inline thread_local ResidualRequest* t_residual_request = nullptr;
+
+struct ResidualRequest {
+  // Opens a request for `state`'s residuals when `want`; else nothing.
+  ResidualRequest(const OpState* state, bool want) : prev(t_residual_request) {
+    if (want) {
+      op = state;
+      t_residual_request = this;
+    }
+  }
+  ResidualRequest(const ResidualRequest&) = delete;
+  ResidualRequest& operator=(const ResidualRequest&) = delete;
+  ~ResidualRequest() {
+    if (op != nullptr) {
+      t_residual_request = prev;
+    }
+  }
+  ResidualRequest* prev;
+  const OpState* op = nullptr;
+  bool taken = false; // the op below ran fwd for it
+  PyRef residuals; // what fwd returned as residuals, once taken
+};
 
 class SentDownFromAD {
  public:

@@ -24,6 +24,17 @@ def _scale_setup(ctx, inputs, output):
     ctx.s = inputs[1]
 
 
+class TestBuiltinFunctions(TestCase):
+    def test_a_builtin_with_a_schema_defines_an_op(self):
+        # A builtin (torch.sin) has no __annotations__; defining the op used to raise AttributeError.
+        op = torch_autobatch.custom_op(
+            "tab_defs::builtin_sin", torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        x = torch.randn(3)
+        self.assertEqual(op(x), torch.sin(x))
+        self.assertEqual(torch.vmap(op)(x.reshape(3, 1)), torch.sin(x).reshape(3, 1))
+
+
 class TestOverloadNames(TestCase):
     def test_overload_name(self):
         op = torch_autobatch.custom_op(

@@ -180,7 +180,7 @@ def _list(opdef: CustomOpDef) -> None:
 
     def decomposition(*args: Any, **kwargs: Any) -> Any:
         op = ref()
-        out = NotImplemented if op is None else op._decompose_for_inductor(args, kwargs)
+        out = NotImplemented if op is None else decompose(op, args, kwargs)
         if out is NotImplemented:
             # Inductor refuses to run as an extern kernel an op its table
             # lists: unlisted, the op stays opaque from now on.
@@ -329,3 +329,21 @@ def first_device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional
         if isinstance(leaf, torch.Tensor):
             return leaf.device.type
     return None
+
+
+def decompose(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The op's function, for Inductor to fuse (NOTE [Inductor sees the function]).
+
+    ``NotImplemented`` (the tracer then records the op as one node) when
+    the function cannot be traced (it leaves torch; or it is the stand-in
+    of a ``torch.library.Library`` kernel we cannot see, which raises).
+    """
+    fns = op._backend_fns
+    device = first_device_type(args, kwargs)
+    fn = fns.get(device, fns.get(None))
+    if fn is None:
+        return NotImplemented
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return NotImplemented

@@ -31,8 +31,8 @@ from torch._library import custom_ops as _torch_custom_ops
 from torch._library import simple_registry
 from torch._library import utils as _library_utils
 
-from . import _C, _compile
-from ._kernel_side import KernelSide, OpExtras
+from . import _C, _compile, _vjp
+from ._kernel_side import KernelSide, OpExtras, takes_keyword_only_inputs
 from ._schema import schema_of
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,23 +65,6 @@ def _undo_registration(qualname: str, op: Any) -> None:
         del _torch_custom_ops.OPDEF_TO_LIB[qualname]
     if _torch_custom_ops.OPDEFS.get(qualname) is op:
         del _torch_custom_ops.OPDEFS[qualname]
-
-
-def _takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> bool:
-    """Is ``setup_context`` torch.library's 4-argument form for ops with keyword-only args?
-
-    ``setup_context(ctx, inputs, keyword_only_inputs, output)``; otherwise
-    ``setup_context(ctx, inputs, output)`` with ``inputs`` holding every argument.
-    """
-    if setup_context is None:
-        return False
-    try:
-        inspect.signature(setup_context).bind(None, (), {}, None)
-    except TypeError:
-        return False
-    except ValueError:  # no signature (a builtin): torch.library's rule
-        return True
-    return True
 
 
 # NOTE [CustomOpDef is torch's CustomOpDef]
@@ -193,7 +176,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         # functools.wraps(op), which vmap(op) runs on every call, reads
         # __annotations__: missing, it cost an AttributeError raised and caught
         # each time (0.7 us).
-        self.__annotations__ = self._init_fn.__annotations__
+        self.__annotations__ = getattr(self._init_fn, "__annotations__", {})
 
     def _destroy_kernels(self) -> None:
         """Deregisters our C++ kernels (torch destroying the op's Library calls this)."""
@@ -213,7 +196,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
 
     def _kwonly_form(self, setup_context: Optional[Callable[..., Any]]) -> bool:
         """Does ``setup_context`` take ``keyword_only_inputs`` (for this op)?"""
-        return bool(self._ab.kwarg_only) and _takes_keyword_only_inputs(setup_context)
+        return bool(self._ab.kwarg_only) and takes_keyword_only_inputs(setup_context)
 
     # ------------------------------------------- torch's CustomOpDef, overridden
     def _register_to_dispatcher(self, tags: Any) -> None:
@@ -321,6 +304,16 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
                 f"{self._qualname}.register_autograd: expected setup_context to be "
                 f"callable or None, got {type(setup_context).__name__}."
             )
+        if self._ab.vjp_fwd is not None:
+            raise RuntimeError(
+                f"{self._qualname}.register_autograd: the op already has a rule from "
+                f"register_vjp(fwd, bwd); an op takes one of register_autograd and register_vjp."
+            )
+        self._set_autograd_rule(backward, setup_context)
+        return backward
+
+    def _set_autograd_rule(self, backward: Callable[..., Any], setup_context: Optional[Callable[..., Any]]) -> None:
+        """Installs the reverse-mode rule the grad node calls (register_autograd, register_vjp)."""
         if self._opoverload._schema.is_mutable:
             # torch.library refuses autograd for any mutating op; we differentiate
             # the inputs it does not mutate (NOTE [Mutating ops]).
@@ -329,7 +322,6 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
             super().register_autograd(backward, setup_context=setup_context)
         self._ab.setup_context_kwonly = self._kwonly_form(setup_context)
         _compile.refresh_cache_key(self)
-        return backward
 
     def register_fake(self, fn: F, /) -> F:
         """Registers the fake (meta) implementation used by ``torch.compile`` and fake tensors.
@@ -359,10 +351,42 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         """torch.library's ``register_kernel``; the compile cache key follows (NOTE [The compile cache key names the function])."""
         if fn is None:
             return lambda f: self.register_kernel(device_types, f)
-        result = super().register_kernel(device_types, fn)
-        if hasattr(self, "_ab"):
+        extras = getattr(self, "_ab", None)
+        kernel = fn if extras is None or extras.vjp_fwd is None else _vjp.wrap_kernel(self, fn)
+        super().register_kernel(device_types, kernel)
+        if extras is not None:
             _compile.refresh_cache_key(self)
-        return result
+        return fn
+
+    def register_vjp(self, fwd: Callable[..., Any], bwd: Callable[..., Any], /) -> None:
+        """Registers the op's reverse-mode rule as a forward that saves intermediates, and a backward.
+
+        ``fwd(*args, **kwargs) -> (output, residuals)`` takes the op's
+        arguments and returns its output and any pytree of tensors and Python
+        values; ``bwd(residuals, *grads)`` returns one gradient per input, as
+        a :meth:`register_autograd` backward does. When the op is
+        differentiated (``.backward()``, ``autograd.grad``, every torch.func
+        reverse transform, under ``vmap`` too), ``fwd`` runs **instead of** the
+        op's function, once, and its residuals are saved like
+        ``save_for_backward`` saves tensors; when nothing is differentiated the
+        function runs and ``fwd`` does not. A second derivative through
+        residuals ``fwd`` computed is refused with an error naming the op
+        (NOTE [Second derivatives through residuals] in ``_vjp.py``)::
+
+            >>> @torch_autobatch.custom_op("doc_register_vjp::tanh_mul", mutates_args=())
+            ... def tanh_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            ...     return torch.tanh(x) * w
+            >>> def fwd(x, w):
+            ...     t = torch.tanh(x)
+            ...     return t * w, (t, w)
+            >>> def bwd(residuals, grad):
+            ...     t, w = residuals
+            ...     return grad * w * (1 - t * t), grad * t
+            >>> tanh_mul.register_vjp(fwd, bwd)
+            >>> torch.func.grad(lambda x: tanh_mul(x, torch.ones(2)).sum())(torch.zeros(2))
+            tensor([1., 1.])
+        """
+        _vjp.register(self, fwd, bwd)
 
     @overload
     def register_jvp(self, jvp: F, /, *, setup_context: Optional[Callable[..., Any]] = None) -> F: ...
@@ -457,25 +481,11 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         return rule
 
     # ------------------------------------------ called by torch and _compile
-    def _decompose_for_inductor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The op's function, for Inductor to fuse (NOTE [Inductor sees the function]).
-
-        ``NotImplemented`` (the tracer then records the op as one node) when
-        the function cannot be traced (it leaves torch; or it is the stand-in
-        of a ``torch.library.Library`` kernel we cannot see, which raises).
-        """
-        fns = self._backend_fns
-        device = _compile.first_device_type(args, kwargs)
-        fn = fns.get(device, fns.get(None))
-        if fn is None:
-            return NotImplemented
-        try:
-            return fn(*args, **kwargs)
-        except Exception:
-            return NotImplemented
-
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
         """The fake kernel: ``register_fake``'s function, or by default the op's own function."""
+        out = _vjp.take_request_and_run_fwd(self, args, kwargs)  # NOTE [Residuals of register_vjp]
+        if out is not NotImplemented:
+            return out
         if self._abstract_fn is not None:
             return self._abstract_fn(*args, **kwargs)
         try:

@@ -30,6 +30,23 @@ def fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+def takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> bool:
+    """Is ``setup_context`` torch.library's 4-argument form for ops with keyword-only args?
+
+    ``setup_context(ctx, inputs, keyword_only_inputs, output)``; otherwise
+    ``setup_context(ctx, inputs, output)`` with ``inputs`` holding every argument.
+    """
+    if setup_context is None:
+        return False
+    try:
+        inspect.signature(setup_context).bind(None, (), {}, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): torch.library's rule
+        return True
+    return True
+
+
 class OpExtras:
     """What torch_autobatch keeps per op beyond torch's CustomOpDef.
 
@@ -48,6 +65,8 @@ class OpExtras:
         "jvp_setup_context_kwonly",
         "registration",
         "inductor_decomposition",
+        "vjp_fwd",
+        "vjp_bwd",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -64,6 +83,9 @@ class OpExtras:
         self.registration: Any = None  # _C's handle on our kernels' OpState
         #: Its entry in Inductor's table (NOTE [Inductor sees the function]), or None.
         self.inductor_decomposition: Optional[Callable[..., Any]] = None
+        #: register_vjp's functions (NOTE [Residuals of register_vjp]), or None.
+        self.vjp_fwd: Optional[Callable[..., Any]] = None
+        self.vjp_bwd: Optional[Callable[..., Any]] = None
 
 
 class KernelSide:

@@ -1,0 +1,213 @@
+"""register_vjp(fwd, bwd): the forward's intermediates reach the backward (NOTE [Residuals of register_vjp]).
+
+The op is ``tanh(x) * w``; ``fwd`` saves ``t = tanh(x)`` and ``w``. ``bwd`` is
+deliberately 2x in x, so a path that used the function's own derivative, or
+recomputed through another rule, fails. Counters prove ``fwd`` ran instead of
+the function, once, and only when something is differentiated.
+"""
+
+from __future__ import annotations
+
+import torch
+from oracles import twice, unique_op_name
+from torch.func import grad, hessian, jacrev, vjp, vmap
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+import torch_autobatch
+
+CALLS = {"fn": 0, "fwd": 0, "bwd": 0}
+
+
+def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The oracle: the op's math with a derivative 2x the true one in x."""
+    return torch.tanh(twice(x)) * w
+
+
+def make_op() -> torch_autobatch.CustomOpDef:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        CALLS["fn"] += 1
+        return torch.tanh(x) * w
+
+    def fwd(x, w):
+        CALLS["fwd"] += 1
+        t = torch.tanh(x)
+        return t * w, (t, w, "a python value")
+
+    def bwd(residuals, g):
+        CALLS["bwd"] += 1
+        t, w, value = residuals
+        assert value == "a python value"
+        return 2 * g * w * (1 - t * t), g * t
+
+    op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "tanh_mul"), fn, mutates_args=())
+    op.register_vjp(fwd, bwd)
+    return op
+
+
+def counts() -> dict[str, int]:
+    out = dict(CALLS)
+    for k in CALLS:
+        CALLS[k] = 0
+    return out
+
+
+class TestRegisterVjp(TestCase):
+    def setUp(self) -> None:
+        self.op = make_op()
+        self.x, self.w = torch.randn(5), torch.randn(5)
+        counts()
+
+    def test_nothing_differentiated_runs_the_function_not_fwd(self):
+        self.assertEqual(self.op(self.x, self.w), torch.tanh(self.x) * self.w)
+        self.assertEqual(counts(), {"fn": 1, "fwd": 0, "bwd": 0})
+
+    def test_backward_uses_fwds_residuals_once(self):
+        x, w = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        self.op(x, w).sum().backward()
+        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1})
+        x2, w2 = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        plain(x2, w2).sum().backward()
+        self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
+
+    def test_torch_func_transforms(self):
+        x, w = self.x, self.w
+        for name, t in {
+            "grad": lambda f: grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)),
+            "jacrev": lambda f: jacrev(f, argnums=(0, 1)),
+            "vjp": lambda f: lambda x, w: vjp(f, x, w)[1](torch.ones(5)),
+        }.items():
+            with self.subTest(name):
+                got = t(self.op)(x, w)
+                c = counts()
+                self.assertEqual(got, t(plain)(x, w))
+                self.assertEqual((c["fn"], c["fwd"]), (0, 1), name)
+
+    def test_vmap_runs_fwd_once_batched(self):
+        xs = torch.randn(7, 5)
+        for name, t in {
+            "vmap(grad)": lambda f: vmap(grad(lambda x, w: f(x, w).sum()), in_dims=(0, None)),
+            "grad(vmap)": lambda f: grad(lambda x, w: vmap(f, in_dims=(0, None))(x, w).sum(), argnums=(0, 1)),
+            "vmap(vmap(grad))": lambda f: vmap(
+                vmap(grad(lambda x, w: f(x, w).sum()), in_dims=(0, None)), in_dims=(0, None)
+            ),
+        }.items():
+            with self.subTest(name):
+                x = xs if name != "vmap(vmap(grad))" else xs.reshape(7, 1, 5)
+                got = t(self.op)(x, self.w)
+                c = counts()
+                self.assertEqual(got, t(plain)(x, self.w))
+                self.assertEqual(c["fn"], 0, name)
+                if name == "grad(vmap)":
+                    self.assertEqual(c["fwd"], 1, name)  # once, on the batched tensors
+
+    def test_second_derivative_through_a_computed_residual_is_refused(self):
+        x = self.x.clone().requires_grad_()
+        msg = "differentiated twice"
+        with self.assertRaisesRegex(RuntimeError, msg):
+            torch.autograd.grad(self.op(x, self.w).sum(), x, create_graph=True)
+        for name, t in {
+            "hessian": lambda f: hessian(lambda x: f(x, self.w).sum()),
+            "grad(grad)": lambda f: grad(lambda x: grad(lambda x: f(x, self.w).sum())(x).sum()),
+            "jacrev(jacrev)": lambda f: jacrev(jacrev(lambda x: f(x, self.w))),
+        }.items():
+            with self.subTest(name), self.assertRaisesRegex(RuntimeError, msg):
+                t(self.op)(self.x)
+
+    def test_more_second_derivative_paths_are_refused(self):
+        w = self.w
+        for name, t in {
+            "jacfwd(jacrev)": lambda f: torch.func.jacfwd(jacrev(lambda x: f(x, w))),
+            "vmap(hessian)": lambda f: vmap(hessian(lambda x: f(x, w).sum())),
+            "grad(vjp)": lambda f: grad(lambda x: vjp(lambda x: f(x, w), x)[1](torch.ones_like(x))[0].sum()),
+        }.items():
+            x = self.x if name != "vmap(hessian)" else torch.randn(3, 5)
+            with self.subTest(name), self.assertRaisesRegex(RuntimeError, "differentiated twice"):
+                t(self.op)(x)
+
+    def test_residuals_that_are_inputs_differentiate_twice_right(self):
+        # Residuals that are the inputs themselves carry their own history.
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", "sq"), lambda x: x * x, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        op.register_vjp(lambda x: (x * x, x), lambda x, g: 2 * twice(g * x))
+        x = torch.randn(4)
+        self.assertEqual(hessian(lambda x: op(x).sum())(x), 4 * torch.eye(4))
+        self.assertEqual(grad(lambda x: grad(lambda x: op(x).sum())(x).sum())(x), torch.full((4,), 4.0))
+
+    def test_a_residual_mutated_before_backward_is_torchs_error(self):
+        def fwd(x):
+            t = torch.tanh(x)
+            RESIDUAL.append(t)
+            return t.clone(), t
+
+        RESIDUAL: list[torch.Tensor] = []
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", "mut"), torch.tanh, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        op.register_vjp(fwd, lambda t, g: g * (1 - t * t))
+        x = torch.randn(3, requires_grad=True)
+        y = op(x)
+        RESIDUAL[0].add_(1)
+        with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
+            y.sum().backward()
+
+    def test_saved_tensors_hooks_see_the_residuals(self):
+        packed = []
+        x, w = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            y = self.op(x, w)
+        self.assertGreaterEqual(len(packed), 2)  # t and w (and the inputs)
+        y.sum().backward()
+
+    def test_checkpoint(self):
+        x, w = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        torch.utils.checkpoint.checkpoint(self.op, x, w, use_reentrant=False).sum().backward()
+        x2, w2 = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        plain(x2, w2).sum().backward()
+        self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
+
+    def test_register_autograd_and_register_vjp_exclude_each_other(self):
+        with self.assertRaisesRegex(RuntimeError, "one of register_autograd and register_vjp"):
+            self.op.register_autograd(lambda ctx, g: (g, g))
+        other = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", "both"), torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        other.register_autograd(lambda ctx, g: g)
+        with self.assertRaisesRegex(RuntimeError, "one of register_autograd and register_vjp"):
+            other.register_vjp(lambda x: (torch.sin(x), x), lambda x, g: g)
+
+    def test_fwd_returning_the_wrong_structure_names_the_op(self):
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", "bad"), torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        op.register_vjp(lambda x: torch.sin(x), lambda r, g: g)
+        with self.assertRaisesRegex(TypeError, r"fwd of tab_vjp::bad\w* .* must return \(output, residuals\)"):
+            op(torch.randn(2, requires_grad=True))
+
+    def test_compiled_with_backward_takes_new_values_and_runs_no_python(self):
+        # Residuals are values of the compiled forward graph, not constants of the trace.
+        torch._dynamo.reset()
+        f = torch.compile(lambda x, w: self.op(x, w).sum(), fullgraph=True)
+        for call in range(3):
+            x, w = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+            f(x, w).backward()
+            c = counts()
+            x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            plain(x2, w2).sum().backward()
+            self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
+            if call > 0:  # after the first call's trace: compiled code only
+                self.assertEqual(c, {"fn": 0, "fwd": 0, "bwd": 0})
+
+    def test_export_keeps_one_node(self):
+        class M(torch.nn.Module):
+            def forward(m, x, w):  # noqa: N805
+                return self.op(x, w)
+
+        ep = torch.export.export(M(), (self.x, self.w))
+        calls = [n for n in ep.graph.nodes if n.op == "call_function"]
+        self.assertEqual(len(calls), 1)
+        self.assertIs(calls[0].target, self.op._opoverload)
+
+
+if __name__ == "__main__":
+    run_tests()
