@@ -177,6 +177,16 @@ void run_loop(
     });
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
+  // NOTE [Residuals of register_vjp]: an open request belongs to the batched
+  // call; one example's call must not answer it with its own residuals.
+  ResidualRequest* const outer_request = t_residual_request;
+  t_residual_request = nullptr;
+  struct RestoreRequest {
+    ResidualRequest* request;
+    ~RestoreRequest() {
+      t_residual_request = request;
+    }
+  } restore_request{outer_request};
   if (batch_size == 0) {
     run_loop_empty(state, op, args, batched, level, stack);
     return;

@@ -100,6 +100,45 @@ class TestRegisterVjp(TestCase):
                 if name == "grad(vmap)":
                     self.assertEqual(c["fwd"], 1, name)  # once, on the batched tensors
 
+    def test_every_vmap_path_gives_the_same_gradients(self):
+        # The composite, vmap="loop" (one call per example must not answer the
+        # batched call's request) and a register_vmap rule (fwd runs in setup).
+        def fn(x, w):
+            return torch.tanh(x) * w
+
+        def fwd(x, w):
+            t = torch.tanh(x)
+            return t * w, (t, w)
+
+        def bwd(r, g):
+            t, w = r
+            return 2 * g * w * (1 - t * t), g * t
+
+        ops = {}
+        for path in ("composite", "loop", "rule"):
+            op = torch_autobatch.custom_op(
+                unique_op_name("tab_vjp", path),
+                fn,
+                mutates_args=(),
+                schema="(Tensor x, Tensor w) -> Tensor",
+                vmap="loop" if path == "loop" else "auto",
+            )
+            op.register_vjp(fwd, bwd)
+            if path == "rule":
+                op.register_vmap(lambda info, in_dims, x, w: (torch.tanh(x.movedim(in_dims[0], 0)) * w, 0))
+            ops[path] = op
+        xs, w = torch.randn(4, 5), self.w
+        for path, op in ops.items():
+            with self.subTest(path):
+                self.assertEqual(
+                    vmap(grad(lambda w, x: op(x, w).sum()), in_dims=(None, 0))(w, xs),
+                    vmap(grad(lambda w, x: plain(x, w).sum()), in_dims=(None, 0))(w, xs),
+                )
+                self.assertEqual(
+                    grad(lambda x, w: vmap(op, in_dims=(0, None))(x, w).sum(), argnums=(0, 1))(xs, w),
+                    grad(lambda x, w: vmap(plain, in_dims=(0, None))(x, w).sum(), argnums=(0, 1))(xs, w),
+                )
+
     def test_second_derivative_through_a_computed_residual_is_refused(self):
         x = self.x.clone().requires_grad_()
         msg = "differentiated twice"
