@@ -51,6 +51,34 @@ def counts() -> dict[str, int]:
     return out
 
 
+def _fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * w
+
+
+def _fwd(x, w):
+    t = torch.tanh(x)
+    return t * w, (t, w)
+
+
+def _bwd(r, g):
+    t, w = r
+    return 2 * g * w * (1 - t * t), g * t
+
+
+def _ops_on_every_vmap_path() -> dict[str, torch_autobatch.CustomOpDef]:
+    """``tanh(x) * w`` with a 2x-in-x register_vjp, batched by its composite, by vmap="loop", and by a rule."""
+    ops = {}
+    for path in ("composite", "loop", "rule"):
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", path), _fn, mutates_args=(), vmap="loop" if path == "loop" else "auto"
+        )
+        op.register_vjp(_fwd, _bwd)
+        if path == "rule":
+            op.register_vmap(lambda info, in_dims, x, w: (_fn(x.movedim(in_dims[0], 0), w), 0))
+        ops[path] = op
+    return ops
+
+
 class TestRegisterVjp(TestCase):
     def setUp(self) -> None:
         self.op = make_op()
@@ -103,30 +131,7 @@ class TestRegisterVjp(TestCase):
     def test_every_vmap_path_gives_the_same_gradients(self):
         # The composite, vmap="loop" (one call per example must not answer the
         # batched call's request) and a register_vmap rule (fwd runs in setup).
-        def fn(x, w):
-            return torch.tanh(x) * w
-
-        def fwd(x, w):
-            t = torch.tanh(x)
-            return t * w, (t, w)
-
-        def bwd(r, g):
-            t, w = r
-            return 2 * g * w * (1 - t * t), g * t
-
-        ops = {}
-        for path in ("composite", "loop", "rule"):
-            op = torch_autobatch.custom_op(
-                unique_op_name("tab_vjp", path),
-                fn,
-                mutates_args=(),
-                schema="(Tensor x, Tensor w) -> Tensor",
-                vmap="loop" if path == "loop" else "auto",
-            )
-            op.register_vjp(fwd, bwd)
-            if path == "rule":
-                op.register_vmap(lambda info, in_dims, x, w: (torch.tanh(x.movedim(in_dims[0], 0)) * w, 0))
-            ops[path] = op
+        ops = _ops_on_every_vmap_path()
         xs, w = torch.randn(4, 5), self.w
         for path, op in ops.items():
             with self.subTest(path):
@@ -139,29 +144,51 @@ class TestRegisterVjp(TestCase):
                     grad(lambda x, w: vmap(plain, in_dims=(0, None))(x, w).sum(), argnums=(0, 1))(xs, w),
                 )
 
-    def test_second_derivative_through_a_computed_residual_is_refused(self):
-        x = self.x.clone().requires_grad_()
-        msg = "differentiated twice"
-        with self.assertRaisesRegex(RuntimeError, msg):
-            torch.autograd.grad(self.op(x, self.w).sum(), x, create_graph=True)
-        for name, t in {
-            "hessian": lambda f: hessian(lambda x: f(x, self.w).sum()),
-            "grad(grad)": lambda f: grad(lambda x: grad(lambda x: f(x, self.w).sum())(x).sum()),
-            "jacrev(jacrev)": lambda f: jacrev(jacrev(lambda x: f(x, self.w))),
-        }.items():
-            with self.subTest(name), self.assertRaisesRegex(RuntimeError, msg):
-                t(self.op)(self.x)
+    def test_second_derivatives_differentiate_bwd_through_fwd(self):
+        # NOTE [Second derivatives through residuals]: the oracle is bwd's
+        # result as a function of the inputs through fwd (JAX's custom_vjp);
+        # residuals taken as constants would drop d t / d x and fail it.
+        x, w, xs = self.x.double(), self.w.double(), torch.randn(3, 5, dtype=torch.float64)
+        ops = _ops_on_every_vmap_path()
 
-    def test_more_second_derivative_paths_are_refused(self):
-        w = self.w
-        for name, t in {
-            "jacfwd(jacrev)": lambda f: torch.func.jacfwd(jacrev(lambda x: f(x, w))),
-            "vmap(hessian)": lambda f: vmap(hessian(lambda x: f(x, w).sum())),
-            "grad(vjp)": lambda f: grad(lambda x: vjp(lambda x: f(x, w), x)[1](torch.ones_like(x))[0].sum()),
-        }.items():
-            x = self.x if name != "vmap(hessian)" else torch.randn(3, 5)
-            with self.subTest(name), self.assertRaisesRegex(RuntimeError, "differentiated twice"):
-                t(self.op)(x)
+        def first(x, w):  # d op(x, w).sum() / dx, by the registered rule
+            return _bwd(_fwd(x, w)[1], torch.ones_like(x))[0]
+
+        hess = jacrev(first)(x, w)
+        for path, op in ops.items():
+            xr = x.clone().requires_grad_()
+            (g,) = torch.autograd.grad(op(xr, w).sum(), xr, create_graph=True)
+            (gg,) = torch.autograd.grad(g.sum(), xr)
+            got = {
+                "create_graph=True": gg,
+                "hessian": hessian(lambda x: op(x, w).sum())(x),
+                "grad(grad)": grad(lambda x: grad(lambda x: op(x, w).sum())(x).sum())(x),
+                "jacrev(jacrev)": jacrev(jacrev(lambda x: op(x, w)))(x).sum(0),
+                "jacfwd(jacrev)": torch.func.jacfwd(jacrev(lambda x: op(x, w).sum()))(x),
+                "grad(vjp)": grad(lambda x: vjp(lambda x: op(x, w), x)[1](torch.ones_like(x))[0].sum())(x),
+                "d/dw of d/dx": jacrev(grad(lambda x, w: op(x, w).sum()), argnums=1)(x, w),
+                "vmap(hessian)": vmap(hessian(lambda x: op(x, w).sum()))(xs),
+            }
+            want = {
+                "create_graph=True": hess.sum(0),
+                "grad(grad)": hess.sum(0),
+                "grad(vjp)": hess.sum(0),
+                "jacrev(jacrev)": hess,
+                "d/dw of d/dx": jacrev(first, argnums=1)(x, w),
+                "vmap(hessian)": vmap(jacrev(first), in_dims=(0, None))(xs, w),
+            }
+            for name, value in got.items():
+                with self.subTest(path=path, transform=name):
+                    self.assertEqual(value, want.get(name, hess))
+
+    def test_first_derivatives_do_not_run_fwd_again(self):
+        # Only a differentiated backward runs fwd a second time.
+        x = self.x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(self.op(x, self.w).sum(), x)
+        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1})
+        (g,) = torch.autograd.grad(self.op(x, self.w).sum(), x, create_graph=True)
+        g.sum().backward()
+        self.assertEqual(counts(), {"fn": 0, "fwd": 2, "bwd": 1})
 
     def test_residuals_that_are_inputs_differentiate_twice_right(self):
         # Residuals that are the inputs themselves carry their own history.

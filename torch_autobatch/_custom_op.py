@@ -369,9 +369,11 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         reverse transform, under ``vmap`` too), ``fwd`` runs **instead of** the
         op's function, once, and its residuals are saved like
         ``save_for_backward`` saves tensors; when nothing is differentiated the
-        function runs and ``fwd`` does not. A second derivative through
-        residuals ``fwd`` computed is refused with an error naming the op
-        (NOTE [Second derivatives through residuals] in ``_vjp.py``)::
+        function runs and ``fwd`` does not. A second derivative
+        (``create_graph=True``, ``hessian``) differentiates ``bwd`` through
+        ``fwd``, as JAX's ``custom_vjp`` does: ``fwd`` runs again, recorded,
+        in that backward only (NOTE [Second derivatives through residuals]
+        in ``_vjp.py``)::
 
             >>> @torch_autobatch.custom_op("doc_register_vjp::tanh_mul", mutates_args=())
             ... def tanh_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -12,20 +12,23 @@ graph), and the internal backward rebuilds the residuals for ``bwd``.
 
 NOTE [Second derivatives through residuals]
 A residual computed by ``fwd`` (``t = tanh(x)``) is a function of the inputs,
-but it was computed below autograd: differentiating ``bwd``'s result again
-would miss d(residual)/d(input) and be silently wrong. So the backward
-refuses, naming the op, when that could happen: it runs with grad mode on
-(``create_graph=True``, or a torch.func level) and an input is tracked by a
-differentiation outside the node's own level (at the base: the input requires
-grad; under torch.func: the input, one grad level down, is still tracked by a
-transform). Residuals that are inputs themselves (``w`` passed through) carry
-their own history and never refuse.
+but it was computed below autograd, so it has no history: differentiating
+``bwd``'s result again through it would miss d(residual)/d(input) and be
+silently wrong (autograd.Function's trap for intermediates saved in
+``forward``). So when the backward runs with grad mode on (``create_graph=True``,
+or a torch.func level) and an input is tracked by a differentiation outside
+the node's own level (at the base: the input requires grad; under torch.func:
+the input, one grad level down, is still tracked by a transform), it runs
+``fwd`` again on the inputs it saved, recorded, and hands ``bwd`` those
+residuals: the second derivative is ``bwd``'s derivative through ``fwd``, as
+JAX's ``custom_vjp`` gives. First derivatives never pay for it; residuals that
+are inputs themselves (``w`` passed through) carry their own history anyway.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -87,10 +90,6 @@ def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
     return kernel
 
 
-def _tensors(values: tuple[Any, ...]) -> list[torch.Tensor]:
-    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)]
-
-
 def _below_levels(x: torch.Tensor) -> torch.Tensor:
     """``x`` without its functorch grad wrappers: the tensor the op's kernel below autograd saw."""
     functorch = torch._C._functorch
@@ -110,7 +109,8 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
             with torch.no_grad():
                 _, residuals = run_fwd(op, positional, kwargs)
         leaves, spec = pytree.tree_flatten(residuals)
-        tensor_inputs = _tensors(inputs)
+        inputs_record = _Flat.of(inputs)
+        tensor_inputs = inputs_record.tensors
         # A residual that is an input (fwd saw it below the levels: unwrapped)
         # is saved as the input this level sees, so it keeps its history.
         as_input = {id(_below_levels(x)): x for x in tensor_inputs}
@@ -122,9 +122,34 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
             else:
                 computed = True
         ctx.save_for_backward(*[leaves[i] for i in at], *tensor_inputs)
-        ctx.vjp_record = (spec, [None if i in at else leaf for i, leaf in enumerate(leaves)], at, computed)
+        ctx.vjp_record = (_Flat(spec, [None if i in at else leaf for i, leaf in enumerate(leaves)], at), computed)
+        ctx.vjp_inputs = inputs_record.without_tensors()
 
     return setup_context
+
+
+class _Flat(NamedTuple):
+    """A pytree with its tensor leaves taken out (saved with ``save_for_backward``) and put back."""
+
+    spec: pytree.TreeSpec
+    leaves: list[Any]  # the leaves, None where a tensor was
+    at: list[int]  # where the tensors were
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def of(tree: Any) -> _Flat:
+        leaves, spec = pytree.tree_flatten(tree)
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        return _Flat(spec, leaves, at, tuple(leaves[i] for i in at))
+
+    def without_tensors(self) -> _Flat:
+        return _Flat(self.spec, [None if i in self.at else v for i, v in enumerate(self.leaves)], self.at)
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        values = list(self.leaves)
+        for k, i in enumerate(self.at):
+            values[i] = tensors[k]
+        return pytree.tree_unflatten(values, self.spec)
 
 
 def _tracked_outside(x: torch.Tensor, level: int) -> bool:
@@ -148,25 +173,30 @@ def _tracked_outside(x: torch.Tensor, level: int) -> bool:
 
 def _backward(op: CustomOpDef) -> Callable[..., Any]:
     def backward(ctx: Any, *grads: Any) -> Any:
-        spec, leaves, at, computed = ctx.vjp_record
+        record, computed = ctx.vjp_record
         saved = ctx.saved_tensors
+        residual_tensors, inputs = saved[: len(record.at)], saved[len(record.at) :]
         level = _C._backward_level()
-        if computed and torch.is_grad_enabled() and any(_tracked_outside(x, level) for x in saved[len(at) :]):
-            raise RuntimeError(
-                f"torch_autobatch: {op._qualname} is being differentiated twice (create_graph=True, "
-                f"hessian, jacrev(jacrev), grad(grad), jacfwd(jacrev)), through residuals its fwd "
-                f"computed below autograd: the second derivative would miss how they depend on the "
-                f"inputs, so it is refused. Register the derivative with "
-                f"{op._name}.register_autograd(backward, setup_context=...) instead, or return "
-                f"only inputs as residuals."
-            )
-        values = list(leaves)
-        for k, i in enumerate(at):
-            values[i] = saved[k]
+        if computed and torch.is_grad_enabled() and any(_tracked_outside(x, level) for x in inputs):
+            residuals = _residuals_with_history(op, ctx.vjp_inputs.rebuild(inputs))
+        else:
+            residuals = record.rebuild(residual_tensors)
         assert op._ab.vjp_bwd is not None
-        return op._ab.vjp_bwd(pytree.tree_unflatten(values, spec), *grads)
+        return op._ab.vjp_bwd(residuals, *grads)
 
     return backward
+
+
+def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
+    """``fwd`` run again on the inputs this backward sees, recorded: residuals that are functions of them.
+
+    NOTE [Second derivatives through residuals]: only when the backward is
+    itself differentiated w.r.t. the inputs, so first derivatives never pay.
+    """
+    positional, kwargs = op._split_args(inputs)
+    with torch.enable_grad():
+        _, residuals = run_fwd(op, positional, kwargs)
+    return residuals
 
 
 def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
