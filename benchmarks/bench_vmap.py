@@ -185,6 +185,31 @@ for _op in (f_loop, f_rule, f_tab_fake):
     _op.register_fake(lambda x, y: torch.empty_like(torch.broadcast_tensors(x, y)[0]))
 CALLS["tf"] = 0
 
+
+# (v) torch_autobatch.custom_op + register_vjp: fwd hands sin(x) to the
+# backward, which then recomputes nothing the forward had.
+@torch_autobatch.custom_op("bench_lib::f_vjp", mutates_args=())
+def f_vjp(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    _count("v")
+    return _body(x, y)
+
+
+def _vjp_fwd(x: torch.Tensor, y: torch.Tensor):
+    _count("v")
+    s = torch.sin(x)
+    return s * y + x.sum(-1, keepdim=True), (x, s, y)
+
+
+def _vjp_bwd(residuals, grad_out, *, needs_input_grad):
+    x, s, y = residuals
+    gx = grad_out * y * torch.cos(x) + grad_out.sum(-1, keepdim=True).expand_as(x) if needs_input_grad[0] else None
+    gy = grad_out * s if needs_input_grad[1] else None
+    return gx, gy
+
+
+f_vjp.register_vjp(_vjp_fwd, _vjp_bwd)
+CALLS["v"] = 0
+
 OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "d": f_plain,
     "a": f_loop,
@@ -192,6 +217,7 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "c": f_func,
     "t": f_tab,
     "tf": f_tab_fake,
+    "v": f_vjp,
 }
 
 

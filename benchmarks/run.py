@@ -179,15 +179,26 @@ OP_LABELS = {
     "c": "`autograd.Function`",
     "t": "**torch_autobatch**",
 }
+# The groups where something is differentiated also time register_vjp.
+GRAD_LABELS = {**OP_LABELS, "v": "torch_autobatch + `register_vjp`"}
 COMPILED_LABELS = {
     "d": "plain",
     "a": "`torch.library.custom_op`",
     "c": "`autograd.Function`",
     "t": "**torch_autobatch**",
     "tf": "torch_autobatch + `register_fake`",
+    "v": "torch_autobatch + `register_vjp`",
 }
 # One colour per variant in every plot, whichever variants have points there.
-COLORS = {"d": "tab:blue", "a": "tab:orange", "b": "tab:purple", "c": "tab:red", "t": "tab:green", "p": "tab:gray"}
+COLORS = {
+    "d": "tab:blue",
+    "a": "tab:orange",
+    "b": "tab:purple",
+    "c": "tab:red",
+    "t": "tab:green",
+    "p": "tab:gray",
+    "v": "tab:olive",
+}
 TRACER_LABELS = {
     "d": "untraced",
     "p": "Python dispatch mode (records nothing)",
@@ -222,7 +233,7 @@ GROUPS: dict[str, Group] = {
             "Per-sample gradients w.r.t. the batched input",
             "`vmap(grad(lambda x, w: op(x, w).sum(), argnums=0), in_dims=(0, None))(X, w)`, X: (B, 64), w: (64,).",
             "B",
-            OP_LABELS,
+            GRAD_LABELS,
             True,
         ),
         Group(
@@ -230,7 +241,17 @@ GROUPS: dict[str, Group] = {
             "Per-sample gradients w.r.t. an unbatched weight",
             "`vmap(grad(lambda x, w: op(x, w).sum(), argnums=1), in_dims=(0, None))(X, w)`, X: (B, 64), w: (64,).",
             "B",
-            OP_LABELS,
+            GRAD_LABELS,
+            True,
+        ),
+        Group(
+            "backward",
+            "Forward + backward, no transform",
+            "`op(X, w).sum().backward()` w.r.t. X: (B, 64) and w: (64,), both requiring grad "
+            "(`X.grad = w.grad = None` before each step). A `register_autograd` backward "
+            "recomputes `sin(x)` for w's gradient; `register_vjp`'s gets it from `fwd`.",
+            "B",
+            {k: GRAD_LABELS[k] for k in "dactv"},
             True,
         ),
         Group(
@@ -319,7 +340,8 @@ def _run_per_sample_grad(argnums: int, cfg: Config) -> list[Row]:
             per_sample = vmap(grad(lambda x, w: op(x, w).sum(), argnums=argnums), in_dims=(0, None))
             return lambda: per_sample(X, w)
 
-        makers = {v: (lambda op=b.OPS[v]: make(op)) for v in OP_LABELS}
+        labels = GROUPS[f"per_sample_grad_{'xw'[argnums]}"].labels
+        makers = {v: (lambda op=b.OPS[v]: make(op)) for v in labels}
         cells, calls = measure_row(makers, expected, cfg, b.CALLS)
         rows.append({"key": bsz, "cells": cells, "calls": calls})
     return rows
@@ -331,6 +353,30 @@ def run_per_sample_grad_x(cfg: Config) -> list[Row]:
 
 def run_per_sample_grad_w(cfg: Config) -> list[Row]:
     return _run_per_sample_grad(1, cfg)
+
+
+def run_backward(cfg: Config) -> list[Row]:
+    import bench_vmap as b
+
+    rows = []
+    for bsz in _sizes("backward", cfg):
+        g = torch.Generator().manual_seed(2000 + bsz)
+        X = torch.randn(bsz, b.D, generator=g, dtype=b.DTYPE, requires_grad=True)
+        w = torch.randn(b.D, generator=g, dtype=b.DTYPE, requires_grad=True)
+        gx, gw = b._vjp(torch.ones_like(X), X.detach(), w.detach().expand_as(X))
+
+        def make(op: Callable) -> Callable[[], Any]:
+            def step() -> tuple[torch.Tensor, torch.Tensor]:
+                X.grad = w.grad = None
+                op(X, w).sum().backward()
+                return X.grad, w.grad  # type: ignore[return-value]
+
+            return step
+
+        makers = {v: (lambda op=b.OPS[v]: make(op)) for v in GROUPS["backward"].labels}
+        cells, calls = measure_row(makers, (gx, gw.sum(0)), cfg, b.CALLS)
+        rows.append({"key": bsz, "cells": cells, "calls": calls})
+    return rows
 
 
 def run_jac(cfg: Config) -> list[Row]:
@@ -496,6 +542,7 @@ RUNNERS: dict[str, Callable[[Config], list[Row]]] = {
     "vmap": run_vmap,
     "per_sample_grad_x": run_per_sample_grad_x,
     "per_sample_grad_w": run_per_sample_grad_w,
+    "backward": run_backward,
     "jac": run_jac,
     "overhead": run_overhead,
     "compiled": run_compiled,

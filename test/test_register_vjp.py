@@ -232,6 +232,24 @@ class TestRegisterVjp(TestCase):
         plain(x2, w2).sum().backward()
         self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
 
+    def test_bwd_that_asks_gets_needs_input_grad(self):
+        seen = []
+
+        def bwd(r, g, *, needs_input_grad):
+            seen.append(needs_input_grad)
+            gx, gw = _bwd(r, g)
+            return gx if needs_input_grad[0] else None, gw if needs_input_grad[1] else None
+
+        op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "needs"), _fn, mutates_args=())
+        op.register_vjp(_fwd, bwd)
+        xs, w = torch.randn(3, 5), self.w
+        self.assertEqual(
+            vmap(grad(lambda w, x: op(x, w).sum()), in_dims=(None, 0))(w, xs),
+            vmap(grad(lambda w, x: plain(x, w).sum()), in_dims=(None, 0))(w, xs),
+        )
+        self.assertEqual(grad(lambda x: op(x, w).sum())(self.x), grad(lambda x: plain(x, w).sum())(self.x))
+        self.assertEqual(seen, [(False, True), (True, False)])
+
     def test_register_autograd_and_register_vjp_exclude_each_other(self):
         with self.assertRaisesRegex(RuntimeError, "one of register_autograd and register_vjp"):
             self.op.register_autograd(lambda ctx, g: (g, g))

@@ -364,7 +364,9 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         ``fwd(*args, **kwargs) -> (output, residuals)`` takes the op's
         arguments and returns its output and any pytree of tensors and Python
         values; ``bwd(residuals, *grads)`` returns one gradient per input, as
-        a :meth:`register_autograd` backward does. When the op is
+        a :meth:`register_autograd` backward does (``None`` for one not
+        needed: a ``bwd`` that declares ``needs_input_grad`` gets it by
+        keyword, a bool per input, and can skip those). When the op is
         differentiated (``.backward()``, ``autograd.grad``, every torch.func
         reverse transform, under ``vmap`` too), ``fwd`` runs **instead of** the
         op's function, once, and its residuals are saved like

@@ -67,6 +67,7 @@ class OpExtras:
         "inductor_decomposition",
         "vjp_fwd",
         "vjp_bwd",
+        "vjp_bwd_takes_needs_input_grad",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -86,6 +87,8 @@ class OpExtras:
         #: register_vjp's functions (NOTE [Residuals of register_vjp]), or None.
         self.vjp_fwd: Optional[Callable[..., Any]] = None
         self.vjp_bwd: Optional[Callable[..., Any]] = None
+        #: Does ``vjp_bwd`` take ``needs_input_grad=`` (a bool per input)?
+        self.vjp_bwd_takes_needs_input_grad = False
 
 
 class KernelSide:

@@ -27,6 +27,7 @@ are inputs themselves (``w`` passed through) carry their own history anyway.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -182,6 +183,8 @@ def _backward(op: CustomOpDef) -> Callable[..., Any]:
         else:
             residuals = record.rebuild(residual_tensors)
         assert op._ab.vjp_bwd is not None
+        if op._ab.vjp_bwd_takes_needs_input_grad:
+            return op._ab.vjp_bwd(residuals, *grads, needs_input_grad=ctx.needs_input_grad)
         return op._ab.vjp_bwd(residuals, *grads)
 
     return backward
@@ -209,6 +212,7 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
             f"{op._qualname}.register_vjp: the op already has a backward from "
             f"register_autograd; an op takes one of register_autograd and register_vjp."
         )
+    op._ab.vjp_bwd_takes_needs_input_grad = _takes_keyword(bwd, "needs_input_grad")
     if op._ab.vjp_fwd is not None:
         op._ab.vjp_fwd, op._ab.vjp_bwd = fwd, bwd  # kernels are wrapped already
         _compile.refresh_cache_key(op)
@@ -218,6 +222,15 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
         torch._library.custom_ops.CustomOpDef.register_kernel(op, device_type, wrap_kernel(op, kernel))
     op._ab.registration.set_has_vjp(True)
     _compile.refresh_cache_key(op)
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Does ``fn`` declare a parameter ``name`` that can be passed by keyword?"""
+    try:
+        param = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
 
 
 def _install(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
