@@ -366,7 +366,10 @@ class TestInductor(TestCase):
             def f(x: torch.Tensor) -> torch.Tensor:
                 return FN(x)
 
-            f.register_autograd(lambda ctx, g: SCALE * g, setup_context=lambda ctx, inputs, output: None)
+            if sys.argv[3:] == ["vjp"]:
+                f.register_vjp(lambda x: (FN(x), None), lambda r, g: SCALE * g)
+            else:
+                f.register_autograd(lambda ctx, g: SCALE * g, setup_context=lambda ctx, inputs, output: None)
             x = torch.ones(3, requires_grad=True)
             y = torch.compile(lambda x: f(x) * 2, backend="inductor", fullgraph=True)(x)
             (g,) = torch.autograd.grad(y.sum(), x)
@@ -387,6 +390,8 @@ class TestInductor(TestCase):
             self.assertEqual(run("sin", "2"), 0)
             self.assertEqual(run("sin", "2"), 1)  # the same op: served from the cache
             run("cos", "3")  # another function and backward under the same name
+            run("sin", "2", "vjp")  # register_vjp's fwd and bwd are in the key too
+            run("sin", "3", "vjp")
 
     def test_the_fingerprint_follows_each_rule_and_the_globals_they_use(self):
         from torch_autobatch import _compile
@@ -406,6 +411,18 @@ class TestInductor(TestCase):
         self.assertNotEqual(third, second)
         op.register_autograd(lambda ctx, g: 3 * g, setup_context=lambda ctx, inputs, output: None)
         self.assertNotEqual(_compile.fingerprint(op), third)
+        vjp_op = torch_autobatch.custom_op(
+            f"{NS}::fingerprinted_vjp", lambda x: x * 2, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        fingerprints = set()
+        for fwd, bwd in [
+            (lambda x: (x * 2, None), lambda r, g: 2 * g),
+            (lambda x: (x * 2, None), lambda r, g: 3 * g),
+            (lambda x: (x + x, None), lambda r, g: 3 * g),
+        ]:
+            vjp_op.register_vjp(fwd, bwd)
+            fingerprints.add(_compile.fingerprint(vjp_op))
+        self.assertEqual(len(fingerprints), 3)
         import torch._inductor.config as config
         import torch._inductor.decomposition  # noqa: F401  (what a compile imports first)
 

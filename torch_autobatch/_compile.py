@@ -241,6 +241,8 @@ def fingerprint(opdef: CustomOpDef) -> str:
         ab.jvp_setup_context_fn,
         opdef._vmap_fn,
         opdef._abstract_fn,
+        ab.vjp_fwd,
+        ab.vjp_bwd,
     ]
     h = hashlib.sha256(f"{opdef._qualname}{opdef._schema}".encode())
     try:
