@@ -87,7 +87,7 @@ inline thread_local int64_t t_sent_down_from_ad = 0;
 // kernel of ours is about to make its grad node, and the node saves fwd's
 // residuals. The kernel asks for them with a ResidualRequest for the lifetime
 // of the call (running the op below it, then setup_context): whichever runs
-// the op below (the backend function, the fake kernel, Inductor's
+// the op below (the backend function, Inductor's
 // decomposition: _kernel_side.py) takes the request (once) and answers every
 // open request of the op on this thread with the same residuals, so each
 // level's node of one call saves them. Thread-local and scoped to the call:

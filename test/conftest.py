@@ -18,8 +18,17 @@ is a ``TestCase`` method, which pytest fixtures cannot be passed to.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+
+# Compiled code comes from this session's own compile, never from an on-disk
+# cache an earlier run filled: a cache key holds the graph and the op's rules,
+# not this package's code, so a stale entry could hide a regression.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="torch_autobatch_test_inductor_")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:

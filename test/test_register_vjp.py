@@ -282,6 +282,27 @@ class TestRegisterVjp(TestCase):
             if call > 0:  # after the first call's trace: compiled code only
                 self.assertEqual(c, {"fn": 0, "fwd": 0, "bwd": 0})
 
+    def test_compiled_opaque_op_computes_its_residuals_in_the_graph(self):
+        # compile="opaque": the op is one extern call whose outputs are its
+        # own, so its fake kernel must not hand back residuals (they were fake
+        # constants of the graph: "Unexpected fake buffer"); fwd is traced.
+        op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "opaque"), _fn, mutates_args=(), compile="opaque")
+        op.register_vjp(_fwd, _bwd)
+        torch._dynamo.reset()
+        f = torch.compile(lambda x, w: op(x, w).sum(), fullgraph=True)
+        per_sample = torch.compile(vmap(grad(lambda x, w: op(x, w).sum(), argnums=1), in_dims=(0, None)))
+        for _ in range(2):
+            x, w = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+            f(x, w).backward()
+            x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            plain(x2, w2).sum().backward()
+            self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
+            xs = torch.randn(3, 5)
+            self.assertEqual(
+                per_sample(xs, w.detach()),
+                vmap(grad(lambda x, w: plain(x, w).sum(), argnums=1), in_dims=(0, None))(xs, w.detach()),
+            )
+
     def test_export_keeps_one_node(self):
         class M(torch.nn.Module):
             def forward(m, x, w):  # noqa: N805

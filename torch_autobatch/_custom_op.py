@@ -486,10 +486,14 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
 
     # ------------------------------------------ called by torch and _compile
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
-        """The fake kernel: ``register_fake``'s function, or by default the op's own function."""
-        out = _vjp.take_request_and_run_fwd(self, args, kwargs)  # NOTE [Residuals of register_vjp]
-        if out is not NotImplemented:
-            return out
+        """The fake kernel: ``register_fake``'s function, or by default the op's own function.
+
+        It never answers a request for register_vjp's residuals: a graph
+        tracer records the op as one node whose outputs are the op's alone,
+        so residuals made here would be fake constants of the graph. The
+        op's ``setup_context`` then runs ``fwd`` itself, where the tracer
+        records it (NOTE [Residuals of register_vjp]).
+        """
         if self._abstract_fn is not None:
             return self._abstract_fn(*args, **kwargs)
         try:

@@ -3,9 +3,10 @@
 NOTE [Residuals of register_vjp] (csrc/op_state.h) is the C++ half: a kernel
 of ours that is about to make the op's grad node opens a thread-local request
 for the call; whatever runs the op below it (the backend function wrapped
-here, the fake kernel, Inductor's decomposition) takes the request, runs
-``fwd`` instead of the function, and answers it with the residuals. The
-op's internal ``setup_context`` reads them back, saves their tensors with
+here, Inductor's decomposition) takes the request, runs ``fwd`` instead of
+the function, and answers it with the residuals. The op's internal
+``setup_context`` reads them back (where nothing answered, as under a
+register_vmap rule or the fake kernel, it runs ``fwd`` for them), saves their tensors with
 ``save_for_backward`` (so they are version-checked, seen by
 ``saved_tensors_hooks``, batched per level under vmap, and freed with the
 graph), and the internal backward rebuilds the residuals for ``bwd``.
