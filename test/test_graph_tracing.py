@@ -423,6 +423,12 @@ class TestInductor(TestCase):
             vjp_op.register_vjp(fwd, bwd)
             fingerprints.add(_compile.fingerprint(vjp_op))
         self.assertEqual(len(fingerprints), 3)
+        # Another build of this package traces ops its own way: another key.
+        from unittest import mock
+
+        before = _compile.fingerprint(vjp_op)
+        with mock.patch.object(_compile, "_package_digest", lambda: b"another build"):
+            self.assertNotEqual(_compile.fingerprint(vjp_op), before)
         import torch._inductor.config as config
         import torch._inductor.decomposition  # noqa: F401  (what a compile imports first)
 

@@ -36,7 +36,10 @@ function by name and source, a value by repr, a tensor by its bytes). It is
 taken when Inductor is imported and again at each registration, so a global
 rebound between a registration and a compile is not seen. A mutable global
 described by value (a dict of counters) moves the fingerprint when it
-changes: a cache miss, never a stale hit.
+changes: a cache miss, never a stale hit. The fingerprint also holds a
+digest of this package (its Python sources and its built extension): how an
+op is traced into a graph is this package's code, and a process running
+another build of it must not be served graphs the old one traced.
 
 A function that cannot be traced (it leaves torch: ``.item()``, ``.numpy()``,
 Python control flow on values) makes the decomposition return
@@ -45,6 +48,7 @@ Python control flow on values) makes the decomposition return
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -57,11 +61,14 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree
+
+from . import _C
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
@@ -245,6 +252,7 @@ def fingerprint(opdef: CustomOpDef) -> str:
         ab.vjp_bwd,
     ]
     h = hashlib.sha256(f"{opdef._qualname}{opdef._schema}".encode())
+    h.update(_package_digest())
     try:
         for rule in rules:
             h.update(_describe(rule, depth=2).encode())
@@ -254,6 +262,18 @@ def fingerprint(opdef: CustomOpDef) -> str:
 
 
 _PROCESS_NONCE = os.urandom(16)
+
+
+@functools.cache
+def _package_digest() -> bytes:
+    """A digest of this package's code: its Python sources and its extension's file (by size and time)."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for path in sorted(here.glob("*.py")):
+        h.update(path.name.encode() + path.read_bytes())
+    stat = os.stat(_C.__file__)
+    h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.digest()
 # Containers and tensors are described up to these sizes (larger ones by type and shape).
 _MAX_ITEMS, _MAX_NUMEL = 64, 1 << 16
 
