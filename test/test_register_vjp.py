@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 from oracles import twice, unique_op_name
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.func import grad, hessian, jacrev, vjp, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
 
-CALLS = {"fn": 0, "fwd": 0, "bwd": 0}
+# Calls on real data. The function also runs on fake tensors, as the op's
+# fake kernel, once per input metadata to check fwd's output (NOTE [fwd
+# returns what the op returns]): "fake" counts those.
+CALLS = {"fn": 0, "fwd": 0, "bwd": 0, "fake": 0}
 
 
 def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -25,7 +29,7 @@ def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def make_op() -> torch_autobatch.CustomOpDef:
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        CALLS["fn"] += 1
+        CALLS["fake" if isinstance(x, FakeTensor) else "fn"] += 1
         return torch.tanh(x) * w
 
     def fwd(x, w):
@@ -87,15 +91,17 @@ class TestRegisterVjp(TestCase):
 
     def test_nothing_differentiated_runs_the_function_not_fwd(self):
         self.assertEqual(self.op(self.x, self.w), torch.tanh(self.x) * self.w)
-        self.assertEqual(counts(), {"fn": 1, "fwd": 0, "bwd": 0})
+        self.assertEqual(counts(), {"fn": 1, "fwd": 0, "bwd": 0, "fake": 0})
 
     def test_backward_uses_fwds_residuals_once(self):
         x, w = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
         self.op(x, w).sum().backward()
-        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1})
+        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 1})  # fake: fwd's output checked
         x2, w2 = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
         plain(x2, w2).sum().backward()
         self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
+        self.op(x, w).sum().backward()
+        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 0})  # once per input metadata
 
     def test_torch_func_transforms(self):
         x, w = self.x, self.w
@@ -185,10 +191,10 @@ class TestRegisterVjp(TestCase):
         # Only a differentiated backward runs fwd a second time.
         x = self.x.clone().requires_grad_()
         (g,) = torch.autograd.grad(self.op(x, self.w).sum(), x)
-        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1})
+        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 1})
         (g,) = torch.autograd.grad(self.op(x, self.w).sum(), x, create_graph=True)
         g.sum().backward()
-        self.assertEqual(counts(), {"fn": 0, "fwd": 2, "bwd": 1})
+        self.assertEqual(counts(), {"fn": 0, "fwd": 2, "bwd": 1, "fake": 0})
 
     def test_residuals_that_are_inputs_differentiate_twice_right(self):
         # Residuals that are the inputs themselves carry their own history.
@@ -268,6 +274,50 @@ class TestRegisterVjp(TestCase):
         with self.assertRaisesRegex(TypeError, r"fwd of tab_vjp::bad\w* .* must return \(output, residuals\)"):
             op(torch.randn(2, requires_grad=True))
 
+    def test_fwd_whose_output_is_not_the_ops_is_an_error_on_every_path(self):
+        # NOTE [fwd returns what the op returns]: an fwd that returns another
+        # dtype or shape would change the op's result only when differentiated.
+        bad_fwds = {
+            "dtype": lambda x, w: (_fn(x, w).double(), (torch.tanh(x), w)),
+            "shape": lambda x, w: (_fn(x, w)[None], (torch.tanh(x), w)),
+        }
+        xs, w = torch.randn(3, 5), self.w
+        paths = {
+            ".backward()": lambda op: op(xs[0].clone().requires_grad_(), w).sum().backward(),
+            "grad": lambda op: grad(lambda x: op(x, w).sum())(xs[0]),
+            "vmap(grad)": lambda op: vmap(grad(lambda x: op(x, w).sum()))(xs),
+            "grad(vmap)": lambda op: grad(lambda x: vmap(op, in_dims=(0, None))(x, w).sum())(xs),
+            "compiled": lambda op: torch.compile(lambda x: op(x, w).sum(), fullgraph=True)(
+                xs[0].clone().requires_grad_()
+            ),
+        }
+        for what, fwd in bad_fwds.items():
+            for kind in ("composite", "loop", "rule", "opaque"):
+                op = torch_autobatch.custom_op(
+                    unique_op_name("tab_vjp", f"bad_{what}_{kind}"),
+                    _fn,
+                    mutates_args=(),
+                    vmap="loop" if kind == "loop" else "auto",
+                    compile="opaque" if kind == "opaque" else "fuse",
+                )
+                op.register_vjp(fwd, _bwd)
+                if kind == "rule":
+                    op.register_vmap(lambda info, in_dims, x, w: (_fn(x.movedim(in_dims[0], 0), w), 0))
+                for path, run in paths.items():
+                    with self.subTest(what=what, kind=kind, path=path):
+                        torch._dynamo.reset()
+                        with self.assertRaisesRegex(Exception, r"fwd of tab_vjp::bad_\w+ \(.*<lambda>\) must return"):
+                            run(op)
+        op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "bad_msg"), _fn, mutates_args=())
+        op.register_vjp(bad_fwds["shape"], _bwd)
+        with self.assertRaises(TypeError) as caught:
+            op(self.x.clone().requires_grad_(), self.w)
+        self.assertExpectedInline(
+            str(caught.exception).replace(op._qualname, "OP"),
+            """\
+torch_autobatch: the fwd of OP (TestRegisterVjp.test_fwd_whose_output_is_not_the_ops_is_an_error_on_every_path.<locals>.<lambda>) must return the op's output as its function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd returned Tensor(shape=[1, 5], dtype=torch.float32, device=cpu) and the op returns Tensor(shape=[5], dtype=torch.float32, device=cpu) (its fake kernel: register_fake's function, else the op's own function on fake tensors). Make fwd's output match.""",
+        )
+
     def test_compiled_with_backward_takes_new_values_and_runs_no_python(self):
         # Residuals are values of the compiled forward graph, not constants of the trace.
         torch._dynamo.reset()
@@ -280,7 +330,7 @@ class TestRegisterVjp(TestCase):
             plain(x2, w2).sum().backward()
             self.assertEqual((x.grad, w.grad), (x2.grad, w2.grad))
             if call > 0:  # after the first call's trace: compiled code only
-                self.assertEqual(c, {"fn": 0, "fwd": 0, "bwd": 0})
+                self.assertEqual(c, {"fn": 0, "fwd": 0, "bwd": 0, "fake": 0})
 
     def test_compiled_opaque_op_computes_its_residuals_in_the_graph(self):
         # compile="opaque": the op is one extern call whose outputs are its

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _C, _compile
 
@@ -48,8 +51,8 @@ def _fwd_name(op: CustomOpDef) -> str:
     return getattr(fwd, "__qualname__", None) or repr(fwd)
 
 
-def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``fwd(*args, **kwargs)``, checked: the op's output and the residuals."""
+def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, check: bool = True) -> tuple[Any, Any]:
+    """``fwd(*args, **kwargs)``, checked (NOTE [fwd returns what the op returns]): the op's output and the residuals."""
     assert op._ab.vjp_fwd is not None
     result = op._ab.vjp_fwd(*args, **kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -67,7 +70,118 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
             f"of structure {pytree.tree_structure(out)}, but the op returns {n} value(s) "
             f"({op._opoverload._schema.returns}). Return them as the op's function does."
         )
+    if check:
+        _check_output(op, args, kwargs, outs)
     return out, residuals
+
+
+# NOTE [fwd returns what the op returns]
+# fwd runs instead of the op's function only when something is differentiated,
+# so an fwd whose output differs from the function's (another dtype, a shape
+# with an extra dim) would change the op's result exactly then: silently. Every
+# call of fwd that stands for the op (run_fwd: the backend kernel, the batched
+# composite, the per-example loop, setup_context under a register_vmap rule,
+# Inductor's decomposition) compares its output's structure, shapes, dtypes
+# and devices with the op's fake kernel's (register_fake's, else the function's)
+# on the same inputs: torch's own statement of what the op returns. On real
+# tensors the fake kernel runs on fake copies in a FakeTensorMode of its own,
+# outside every functorch level, autograd and dispatch mode, once per input
+# metadata (cached on the op: a pure function of the key, no per-call state);
+# on traced tensors (torch.compile, export) it runs in the trace's fake mode,
+# and only a size that differs for certain is an error. A fake kernel that
+# cannot run on these inputs (it leaves torch) leaves only the structure
+# checked.
+_CACHE_SIZE = 256
+
+
+def _check_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> None:
+    expected = _expected_output(op, args, kwargs)
+    if expected is None or _matches(outs, expected):
+        return
+    raise TypeError(
+        f"torch_autobatch: the fwd of {op._qualname} ({_fwd_name(op)}) must return the op's output as its "
+        f"function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd "
+        f"returned {_describe(outs)} and the op returns {_describe(expected)} (its fake kernel: "
+        f"register_fake's function, else the op's own function on fake tensors). Make fwd's output match."
+    )
+
+
+def _expected_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Any, ...]]:
+    """The op's fake kernel's output for inputs like ``args``/``kwargs``, one value per return; None if unknown."""
+    try:
+        # The fake kernel's output is a function of this key alone (its
+        # inputs' metadata and values), whatever the tensors are: real,
+        # batched, fake with static sizes.
+        key = (op._abstract_fn, _key(args), _key(kwargs) if kwargs else None)
+        cache = op._ab.vjp_expected
+        hit = cache.get(key, _MISSING)
+    except TypeError:  # a symbolic size, or a value that cannot be hashed
+        return _run_fake_kernel(op, args, kwargs)
+    if hit is not _MISSING:
+        return hit  # type: ignore[no-any-return]
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    cache[key] = expected = _run_fake_kernel(op, args, kwargs)
+    return expected
+
+
+_MISSING = object()
+
+
+def _key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device, value.layout)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_key(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _key(v)) for k, v in value.items()))
+    return (type(value), value)
+
+
+def _run_fake_kernel(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Any, ...]]:
+    fake_kernel = op._abstract_fn if op._abstract_fn is not None else op._init_fn
+    # Symbolic sizes belong to the trace's shape environment: its fake mode.
+    traced = any(
+        not isinstance(d, int) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for d in t.shape
+    )
+    fake_mode = torch._guards.detect_fake_mode() if traced else None
+    with torch._C._DisableFuncTorch(), torch.no_grad(), _disable_current_modes():
+        with fake_mode if fake_mode is not None else FakeTensorMode(allow_non_fake_inputs=True):
+
+            def empty_like(t: torch.Tensor) -> torch.Tensor:
+                return torch.empty(t.shape, dtype=t.dtype, device=t.device, layout=t.layout)
+
+            try:
+                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, empty_like, (args, kwargs))
+                out = fake_kernel(*fake_args, **fake_kwargs)
+            except Exception:  # it cannot run here: NOTE [fwd returns what the op returns]
+                return None
+    return (out,) if op._ab.num_returns == 1 else tuple(out)
+
+
+def _matches(got: Any, want: Any) -> bool:
+    """Do ``got`` and ``want`` have one structure, and tensors of one dtype, device and shape (where sizes are known)?"""
+    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+            return False
+        if got.dtype != want.dtype or got.device != want.device or got.dim() != want.dim():
+            return False
+        return got.shape == want.shape or not any(statically_known_true(a != b) for a, b in zip(got.shape, want.shape))
+    if isinstance(got, (tuple, list)) or isinstance(want, (tuple, list)):
+        if not (isinstance(got, (tuple, list)) and isinstance(want, (tuple, list))) or len(got) != len(want):
+            return False
+        return all(_matches(g, w) for g, w in zip(got, want))
+    return True
+
+
+def _describe(outs: tuple[Any, ...]) -> str:
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"Tensor(shape={list(v.shape)}, dtype={v.dtype}, device={v.device})"
+        return type(v).__name__
+
+    values = pytree.tree_map(one, outs)
+    return str(values[0]) if len(values) == 1 else str(values)
 
 
 def take_request_and_run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -199,7 +313,7 @@ def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
     """
     positional, kwargs = op._split_args(inputs)
     with torch.enable_grad():
-        _, residuals = run_fwd(op, positional, kwargs)
+        _, residuals = run_fwd(op, positional, kwargs, check=False)  # checked when it first ran
     return residuals
 
 
