@@ -1,12 +1,14 @@
-"""Per-sample gradients for DP-SGD through a custom op with a hand-written backward.
+"""Per-sample gradients for DP-SGD through a custom op whose backward reuses its forward's work.
 
 A small MLP (Linear -> custom `swish` op -> Linear) is called functionally with
 torch.func.functional_call; `vmap(grad(loss), in_dims=(None, 0, 0))` gives one
 gradient per example in one batched call. Each is clipped to norm C, summed,
-and Gaussian noise is added (DP-SGD). Checked against a per-example Python loop
-of torch.autograd.grad, and against the same model with a plain-function swish
-(autograd's own derivative) so that the registered backward is shown to be the
-one that ran, batched, once.
+and Gaussian noise is added (DP-SGD). `swish` takes its derivative from
+`register_vjp`: its `fwd` keeps `sigmoid(x)` for the backward, which then
+recomputes nothing. Checked against a per-example Python loop of
+torch.autograd.grad, and against the same model with a plain-function swish
+(autograd's own derivative), with counters showing that `fwd` and the backward
+each ran once, batched.
 
 Run: python examples/per_sample_grads.py   (asserts; prints what it checked)
 """
@@ -18,7 +20,7 @@ from torch.func import functional_call, grad, vmap
 
 import torch_autobatch
 
-BACKWARD_CALLS = [0]
+CALLS = {"fwd": 0, "bwd": 0}
 
 
 @torch_autobatch.custom_op("per_sample_grads::swish", mutates_args=())
@@ -27,18 +29,20 @@ def swish(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
-def setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def backward(ctx, grad_out):
-    BACKWARD_CALLS[0] += 1
-    (x,) = ctx.saved_tensors
+def swish_fwd(x: torch.Tensor):
+    """Runs instead of swish when it is differentiated: the output and what the backward needs."""
+    CALLS["fwd"] += 1
     s = torch.sigmoid(x)
-    return grad_out * (s + x * s * (1 - s))  # d/dx x*sigmoid(x)
+    return x * s, (x, s)
 
 
-swish.register_autograd(backward, setup_context=setup_context)
+def swish_bwd(residuals, grad_out):
+    CALLS["bwd"] += 1
+    x, s = residuals
+    return grad_out * (s + x * s * (1 - s))  # d/dx x*sigmoid(x), with the forward's sigmoid
+
+
+swish.register_vjp(swish_fwd, swish_bwd)
 
 
 def swish_plain(x: torch.Tensor) -> torch.Tensor:
@@ -106,18 +110,18 @@ def main() -> None:
     per_sample_fn = vmap(grad(make_loss(model)), in_dims=(None, 0, 0))
 
     # 1. vmap(grad) equals the per-example loop of torch.autograd.grad.
-    BACKWARD_CALLS[0] = 0
+    CALLS.update(fwd=0, bwd=0)
     per_sample = per_sample_fn(params, X, Y)
-    assert BACKWARD_CALLS[0] == 1, BACKWARD_CALLS  # the custom backward ran once, batched
-    BACKWARD_CALLS[0] = 0
+    assert CALLS == {"fwd": 1, "bwd": 1}, CALLS  # fwd and the backward ran once, batched
+    CALLS.update(fwd=0, bwd=0)
     expected = loop_grads(model, params, X, Y)
-    assert BACKWARD_CALLS[0] == batch, BACKWARD_CALLS  # ... and once per example in the loop
+    assert CALLS == {"fwd": batch, "bwd": batch}, CALLS  # ... and once per example in the loop
     for k in params:
         assert per_sample[k].shape == (batch, *params[k].shape), k
         torch.testing.assert_close(per_sample[k], expected[k], rtol=1e-10, atol=1e-12)
     print(
         f"ok  vmap(grad) per-sample gradients ({batch} examples, {len(params)} tensors) "
-        "== per-example torch.autograd.grad loop; custom backward ran once under vmap"
+        "== per-example torch.autograd.grad loop; fwd and the backward ran once under vmap"
     )
 
     # 2. The registered backward is the swish derivative: the same model with a plain swish.

@@ -28,6 +28,7 @@ from torch_autobatch import CustomOpDef, Trace, TraceGraphs
 PUBLIC: list[tuple[str, Any]] = [(name, getattr(torch_autobatch, name)) for name in torch_autobatch.__all__] + [
     ("CustomOpDef.register_autograd", CustomOpDef.register_autograd),
     ("CustomOpDef.register_jvp", CustomOpDef.register_jvp),
+    ("CustomOpDef.register_vjp", CustomOpDef.register_vjp),
     ("CustomOpDef.register_vmap", CustomOpDef.register_vmap),
     ("CustomOpDef.register_fake", CustomOpDef.register_fake),
     ("CustomOpDef.opoverload", CustomOpDef.opoverload),
@@ -46,6 +47,7 @@ MUST_HAVE_EXAMPLES = [
     "trace",
     "CustomOpDef.register_autograd",
     "CustomOpDef.register_jvp",
+    "CustomOpDef.register_vjp",
     "CustomOpDef.register_vmap",
 ]
 
