@@ -33,12 +33,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _C, _compile
+from ._vjp_check import check_fwd_output
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
@@ -71,117 +69,8 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
             f"({op._opoverload._schema.returns}). Return them as the op's function does."
         )
     if check:
-        _check_output(op, args, kwargs, outs)
+        check_fwd_output(op, _fwd_name(op), args, kwargs, outs)
     return out, residuals
-
-
-# NOTE [fwd returns what the op returns]
-# fwd runs instead of the op's function only when something is differentiated,
-# so an fwd whose output differs from the function's (another dtype, a shape
-# with an extra dim) would change the op's result exactly then: silently. Every
-# call of fwd that stands for the op (run_fwd: the backend kernel, the batched
-# composite, the per-example loop, setup_context under a register_vmap rule,
-# Inductor's decomposition) compares its output's structure, shapes, dtypes
-# and devices with the op's fake kernel's (register_fake's, else the function's)
-# on the same inputs: torch's own statement of what the op returns. On real
-# tensors the fake kernel runs on fake copies in a FakeTensorMode of its own,
-# outside every functorch level, autograd and dispatch mode, once per input
-# metadata (cached on the op: a pure function of the key, no per-call state);
-# on traced tensors (torch.compile, export) it runs in the trace's fake mode,
-# and only a size that differs for certain is an error. A fake kernel that
-# cannot run on these inputs (it leaves torch) leaves only the structure
-# checked.
-_CACHE_SIZE = 256
-
-
-def _check_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> None:
-    expected = _expected_output(op, args, kwargs)
-    if expected is None or _matches(outs, expected):
-        return
-    raise TypeError(
-        f"torch_autobatch: the fwd of {op._qualname} ({_fwd_name(op)}) must return the op's output as its "
-        f"function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd "
-        f"returned {_describe(outs)} and the op returns {_describe(expected)} (its fake kernel: "
-        f"register_fake's function, else the op's own function on fake tensors). Make fwd's output match."
-    )
-
-
-def _expected_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Any, ...]]:
-    """The op's fake kernel's output for inputs like ``args``/``kwargs``, one value per return; None if unknown."""
-    try:
-        # The fake kernel's output is a function of this key alone (its
-        # inputs' metadata and values), whatever the tensors are: real,
-        # batched, fake with static sizes.
-        key = (op._abstract_fn, _key(args), _key(kwargs) if kwargs else None)
-        cache = op._ab.vjp_expected
-        hit = cache.get(key, _MISSING)
-    except TypeError:  # a symbolic size, or a value that cannot be hashed
-        return _run_fake_kernel(op, args, kwargs)
-    if hit is not _MISSING:
-        return hit  # type: ignore[no-any-return]
-    if len(cache) >= _CACHE_SIZE:
-        cache.clear()
-    cache[key] = expected = _run_fake_kernel(op, args, kwargs)
-    return expected
-
-
-_MISSING = object()
-
-
-def _key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device, value.layout)
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_key(v) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple((k, _key(v)) for k, v in value.items()))
-    return (type(value), value)
-
-
-def _run_fake_kernel(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Any, ...]]:
-    fake_kernel = op._abstract_fn if op._abstract_fn is not None else op._init_fn
-    # Symbolic sizes belong to the trace's shape environment: its fake mode.
-    traced = any(
-        not isinstance(d, int) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for d in t.shape
-    )
-    fake_mode = torch._guards.detect_fake_mode() if traced else None
-    with torch._C._DisableFuncTorch(), torch.no_grad(), _disable_current_modes():
-        with fake_mode if fake_mode is not None else FakeTensorMode(allow_non_fake_inputs=True):
-
-            def empty_like(t: torch.Tensor) -> torch.Tensor:
-                return torch.empty(t.shape, dtype=t.dtype, device=t.device, layout=t.layout)
-
-            try:
-                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, empty_like, (args, kwargs))
-                out = fake_kernel(*fake_args, **fake_kwargs)
-            except Exception:  # it cannot run here: NOTE [fwd returns what the op returns]
-                return None
-    return (out,) if op._ab.num_returns == 1 else tuple(out)
-
-
-def _matches(got: Any, want: Any) -> bool:
-    """Do ``got`` and ``want`` have one structure, and tensors of one dtype, device and shape (where sizes are known)?"""
-    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
-        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
-            return False
-        if got.dtype != want.dtype or got.device != want.device or got.dim() != want.dim():
-            return False
-        return got.shape == want.shape or not any(statically_known_true(a != b) for a, b in zip(got.shape, want.shape))
-    if isinstance(got, (tuple, list)) or isinstance(want, (tuple, list)):
-        if not (isinstance(got, (tuple, list)) and isinstance(want, (tuple, list))) or len(got) != len(want):
-            return False
-        return all(_matches(g, w) for g, w in zip(got, want))
-    return True
-
-
-def _describe(outs: tuple[Any, ...]) -> str:
-    def one(v: Any) -> str:
-        if isinstance(v, torch.Tensor):
-            return f"Tensor(shape={list(v.shape)}, dtype={v.dtype}, device={v.device})"
-        return type(v).__name__
-
-    values = pytree.tree_map(one, outs)
-    return str(values[0]) if len(values) == 1 else str(values)
 
 
 def take_request_and_run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -216,56 +105,77 @@ def _below_levels(x: torch.Tensor) -> torch.Tensor:
 
 def _setup_context(op: CustomOpDef) -> Callable[..., None]:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        reg = op._ab.registration
-        residuals = reg.current_residuals()
+        residuals = op._ab.registration.current_residuals()
         if residuals is None:
-            # The op's output came from elsewhere (a register_vmap rule, a
-            # kernel registered by name): fwd runs now for its residuals.
+            # The op's output came from elsewhere (a register_vmap rule, the
+            # fake kernel, a kernel registered by name): fwd runs now.
             positional, kwargs = op._split_args(inputs)
             with torch.no_grad():
                 _, residuals = run_fwd(op, positional, kwargs)
-        leaves, spec = pytree.tree_flatten(residuals)
-        inputs_record = _Flat.of(inputs)
-        tensor_inputs = inputs_record.tensors
-        # A residual that is an input (fwd saw it below the levels: unwrapped)
-        # is saved as the input this level sees, so it keeps its history.
-        as_input = {id(_below_levels(x)): x for x in tensor_inputs}
-        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        # The tensor inputs are saved too, for a backward that is itself
+        # differentiated (NOTE [Second derivatives through residuals]); a
+        # residual that is an input (fwd saw it below the levels: unwrapped)
+        # shares the input's slot, so it is saved once and keeps its history.
+        input_leaves, input_spec = _flatten(inputs)
+        saved: list[torch.Tensor] = []
+        slot_below: dict[int, int] = {}
+        input_slots = []
+        for i, x in enumerate(input_leaves):
+            if isinstance(x, torch.Tensor):
+                slot_below[id(_below_levels(x))] = len(saved)
+                input_slots.append((i, len(saved)))
+                saved.append(x)
+                input_leaves[i] = None
+        leaves, spec = _flatten(residuals)
+        residual_slots = []
         computed = False
-        for i in at:
-            if id(leaves[i]) in as_input:
-                leaves[i] = as_input[id(leaves[i])]
-            else:
-                computed = True
-        ctx.save_for_backward(*[leaves[i] for i in at], *tensor_inputs)
-        ctx.vjp_record = (_Flat(spec, [None if i in at else leaf for i, leaf in enumerate(leaves)], at), computed)
-        ctx.vjp_inputs = inputs_record.without_tensors()
+        for i, r in enumerate(leaves):
+            if isinstance(r, torch.Tensor):
+                slot = slot_below.get(id(r))
+                if slot is None:
+                    slot, computed = len(saved), True
+                    saved.append(r)
+                residual_slots.append((i, slot))
+                leaves[i] = None
+        ctx.save_for_backward(*saved)
+        ctx.vjp_record = _Record(
+            _Flat(spec, leaves, residual_slots), _Flat(input_spec, input_leaves, input_slots), computed
+        )
 
     return setup_context
 
 
+# Leaves that are never pytree containers: a tuple of these is flat.
+_ATOMS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout})
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Optional[pytree.TreeSpec]]:
+    """``pytree.tree_flatten``, with spec None for a flat tuple (the usual residuals and inputs, at a tenth of the cost)."""
+    if type(tree) is tuple and all(isinstance(v, torch.Tensor) or type(v) in _ATOMS for v in tree):
+        return list(tree), None
+    return pytree.tree_flatten(tree)
+
+
 class _Flat(NamedTuple):
-    """A pytree with its tensor leaves taken out (saved with ``save_for_backward``) and put back."""
+    """A pytree whose tensor leaves were saved with ``save_for_backward``, and how to put them back."""
 
-    spec: pytree.TreeSpec
+    spec: Optional[pytree.TreeSpec]  # None: a flat tuple (_flatten)
     leaves: list[Any]  # the leaves, None where a tensor was
-    at: list[int]  # where the tensors were
-    tensors: tuple[torch.Tensor, ...] = ()
+    slots: list[tuple[int, int]]  # (leaf index, index in ctx.saved_tensors) of each tensor
 
-    @staticmethod
-    def of(tree: Any) -> _Flat:
-        leaves, spec = pytree.tree_flatten(tree)
-        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        return _Flat(spec, leaves, at, tuple(leaves[i] for i in at))
-
-    def without_tensors(self) -> _Flat:
-        return _Flat(self.spec, [None if i in self.at else v for i, v in enumerate(self.leaves)], self.at)
-
-    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+    def rebuild(self, saved: tuple[torch.Tensor, ...]) -> Any:
         values = list(self.leaves)
-        for k, i in enumerate(self.at):
-            values[i] = tensors[k]
-        return pytree.tree_unflatten(values, self.spec)
+        for i, slot in self.slots:
+            values[i] = saved[slot]
+        return tuple(values) if self.spec is None else pytree.tree_unflatten(values, self.spec)
+
+
+class _Record(NamedTuple):
+    """What setup_context leaves the backward (``ctx.vjp_record``): the node's own, per call."""
+
+    residuals: _Flat
+    inputs: _Flat
+    computed: bool  # a residual tensor is not an input: NOTE [Second derivatives through residuals]
 
 
 def _tracked_outside(x: torch.Tensor, level: int) -> bool:
@@ -287,16 +197,19 @@ def _tracked_outside(x: torch.Tensor, level: int) -> bool:
     return functorch.is_gradtrackingtensor(x) or x.requires_grad
 
 
+def _inputs_tracked_outside(inputs: _Flat, saved: tuple[torch.Tensor, ...]) -> bool:
+    level = _C._backward_level()
+    return any(_tracked_outside(saved[slot], level) for _, slot in inputs.slots)
+
+
 def _backward(op: CustomOpDef) -> Callable[..., Any]:
     def backward(ctx: Any, *grads: Any) -> Any:
-        record, computed = ctx.vjp_record
+        record: _Record = ctx.vjp_record
         saved = ctx.saved_tensors
-        residual_tensors, inputs = saved[: len(record.at)], saved[len(record.at) :]
-        level = _C._backward_level()
-        if computed and torch.is_grad_enabled() and any(_tracked_outside(x, level) for x in inputs):
-            residuals = _residuals_with_history(op, ctx.vjp_inputs.rebuild(inputs))
+        if record.computed and torch.is_grad_enabled() and _inputs_tracked_outside(record.inputs, saved):
+            residuals = _residuals_with_history(op, record.inputs.rebuild(saved))
         else:
-            residuals = record.rebuild(residual_tensors)
+            residuals = record.residuals.rebuild(saved)
         assert op._ab.vjp_bwd is not None
         if op._ab.vjp_bwd_takes_needs_input_grad:
             return op._ab.vjp_bwd(residuals, *grads, needs_input_grad=ctx.needs_input_grad)

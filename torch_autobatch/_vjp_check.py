@@ -1,0 +1,166 @@
+"""register_vjp's ``fwd`` returns what the op returns: its output checked against the op's fake kernel.
+
+NOTE [fwd returns what the op returns]
+fwd runs instead of the op's function only when something is differentiated,
+so an fwd whose output differs from the function's (another dtype, a shape
+with an extra dim) would change the op's result exactly then: silently. Every
+call of fwd that stands for the op (``_vjp.run_fwd``: the backend kernel, the
+batched composite, the per-example loop, setup_context under a register_vmap
+rule or the fake kernel, Inductor's decomposition) compares its output's
+structure, shapes, dtypes and devices with the op's fake kernel's
+(register_fake's, else the function's) on the same inputs: torch's own
+statement of what the op returns. The fake kernel runs on fake copies of the
+inputs in a FakeTensorMode of its own, outside every functorch level, autograd
+and dispatch mode, once per input metadata and values: the output's metadata
+is cached on the op under that key (a pure function of it: no per-call state),
+so a call pays for the key and the comparison alone (~3 us). Symbolic sizes
+(a dynamic-shape trace) are not a key: the fake kernel then runs in the
+trace's fake mode on every call, and only a size that differs for certain is
+an error. A fake kernel that cannot run on these inputs (it leaves torch)
+leaves only the structure checked (``_vjp.run_fwd``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+if TYPE_CHECKING:
+    from ._custom_op import CustomOpDef
+
+__all__ = ["check_fwd_output"]
+
+_CACHE_SIZE = 256  # entries per op; a full cache starts again
+_MISSING = object()
+
+
+class _TensorMeta(NamedTuple):
+    """What the check compares of an output tensor."""
+
+    shape: tuple[Any, ...]  # ints; SymInts in a dynamic-shape trace
+    dtype: torch.dtype
+    device: torch.device
+    static: bool  # every size an int
+
+
+def check_fwd_output(
+    op: CustomOpDef, fwd_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]
+) -> None:
+    """Raises if ``outs`` (fwd's output, one value per return) is not what the op returns for these inputs."""
+    expected = _expected(op, args, kwargs)
+    if expected is None:
+        return
+    # The usual case inline (a call's cost is in its Python frames): tensors of static sizes.
+    if len(outs) == len(expected):
+        for got, want in zip(outs, expected):
+            if not (
+                type(want) is _TensorMeta
+                and want.static
+                and isinstance(got, torch.Tensor)
+                and got.dtype == want.dtype
+                and got.device == want.device
+                and got.shape == want.shape
+            ):
+                break
+        else:
+            return
+    if _matches(outs, expected):
+        return
+    raise TypeError(
+        f"torch_autobatch: the fwd of {op._qualname} ({fwd_name}) must return the op's output as its "
+        f"function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd "
+        f"returned {_describe(_meta(outs))} and the op returns {_describe(expected)} (its fake kernel: "
+        f"register_fake's function, else the op's own function on fake tensors). Make fwd's output match."
+    )
+
+
+def _expected(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[list[Any]]:
+    """The metadata of the fake kernel's output for inputs like these, one entry per return; None if unknown."""
+    try:
+        # The fake kernel's output is a function of this key alone, whatever
+        # the tensors are: real, batched, fake with static sizes.
+        key = (op._abstract_fn, _key(args), _key(kwargs) if kwargs else None)
+        cache = op._ab.vjp_expected
+        hit = cache.get(key, _MISSING)
+    except TypeError:  # a symbolic size, or a value that cannot be hashed
+        return _run_fake_kernel(op, args, kwargs)
+    if hit is not _MISSING:
+        return hit  # type: ignore[no-any-return]
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    cache[key] = expected = _run_fake_kernel(op, args, kwargs)
+    return expected
+
+
+def _key(value: Any) -> Any:
+    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):  # the usual arguments
+        return tuple([(v.shape, v.dtype, v.device, v.layout) for v in value])
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device, value.layout)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple([_key(v) for v in value]))
+    if isinstance(value, dict):
+        return (dict, tuple([(k, _key(v)) for k, v in value.items()]))
+    return (type(value), value)
+
+
+def _run_fake_kernel(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[list[Any]]:
+    fake_kernel = op._abstract_fn if op._abstract_fn is not None else op._init_fn
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    # Symbolic sizes belong to the trace's shape environment: its fake mode.
+    traced = any(type(d) is not int for t in tensors for d in t.shape)
+    fake_mode = torch._guards.detect_fake_mode() if traced else None
+    with torch._C._DisableFuncTorch(), torch.no_grad(), _disable_current_modes():
+        with fake_mode if fake_mode is not None else FakeTensorMode(allow_non_fake_inputs=True):
+
+            def empty_like(t: torch.Tensor) -> torch.Tensor:
+                return torch.empty(t.shape, dtype=t.dtype, device=t.device, layout=t.layout)
+
+            try:
+                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, empty_like, (args, kwargs))
+                out = fake_kernel(*fake_args, **fake_kwargs)
+            except Exception:  # it cannot run here: NOTE [fwd returns what the op returns]
+                return None
+            return _meta((out,) if op._ab.num_returns == 1 else tuple(out))
+
+
+def _meta(value: Any) -> Any:
+    """``value`` with each tensor replaced by its _TensorMeta, each sequence by a list, anything else by its type."""
+    if isinstance(value, torch.Tensor):
+        shape = tuple(value.shape)
+        return _TensorMeta(shape, value.dtype, value.device, all(type(d) is int for d in shape))
+    if isinstance(value, (tuple, list)):
+        return [_meta(v) for v in value]
+    return type(value)
+
+
+def _matches(got: Any, want: Any) -> bool:
+    """Is ``got`` an output of metadata ``want`` (one structure; tensors of one dtype, device and shape)?"""
+    if type(want) is _TensorMeta:
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.device != want.device:
+            return False
+        shape = got.shape
+        if len(shape) != len(want.shape):
+            return False
+        if all(type(d) is int for d in shape) and all(type(d) is int for d in want.shape):
+            return shape == want.shape
+        return not any(statically_known_true(a != b) for a, b in zip(shape, want.shape))
+    if type(want) is list:
+        return isinstance(got, (tuple, list)) and len(got) == len(want) and all(map(_matches, got, want))
+    return not isinstance(got, (torch.Tensor, tuple, list))
+
+
+def _describe(meta: list[Any]) -> str:
+    def one(m: Any) -> str:
+        if type(m) is _TensorMeta:
+            return f"Tensor(shape={list(m.shape)}, dtype={m.dtype}, device={m.device})"
+        if type(m) is list:
+            return "[" + ", ".join(one(v) for v in m) + "]"
+        return m.__name__  # type: ignore[no-any-return]
+
+    return one(meta[0]) if len(meta) == 1 else "(" + ", ".join(one(v) for v in meta) + ")"
