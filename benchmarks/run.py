@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -787,6 +788,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
 
     groups = args.only or list(GROUPS)
+    if any(GROUPS[g].by_batch for g in groups) and importlib.util.find_spec("matplotlib") is None:
+        parser.error("the groups over a batch size are plotted: pip install matplotlib (or --only the others)")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="torch_autobatch_bench_") as tmp:
         for name in groups:
