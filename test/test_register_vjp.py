@@ -174,6 +174,13 @@ class TestRegisterVjp(TestCase):
                 "grad(vjp)": grad(lambda x: vjp(lambda x: op(x, w), x)[1](torch.ones_like(x))[0].sum())(x),
                 "d/dw of d/dx": jacrev(grad(lambda x, w: op(x, w).sum()), argnums=1)(x, w),
                 "vmap(hessian)": vmap(hessian(lambda x: op(x, w).sum()))(xs),
+                # differentiated again by the same level: the backward keeps its graph
+                "grad(autograd.grad)": grad(lambda x: torch.autograd.grad(op(x, w).sum(), x, create_graph=True)[0].sum())(
+                    x
+                ),
+                "vmap(grad(autograd.grad))": vmap(
+                    grad(lambda x: torch.autograd.grad(op(x, w).sum(), x, create_graph=True)[0].sum())
+                )(xs),
             }
             want = {
                 "create_graph=True": hess.sum(0),
@@ -182,16 +189,30 @@ class TestRegisterVjp(TestCase):
                 "jacrev(jacrev)": hess,
                 "d/dw of d/dx": jacrev(first, argnums=1)(x, w),
                 "vmap(hessian)": vmap(jacrev(first), in_dims=(0, None))(xs, w),
+                "grad(autograd.grad)": hess.sum(0),
+                "vmap(grad(autograd.grad))": vmap(jacrev(first), in_dims=(0, None))(xs, w).sum(1),
             }
             for name, value in got.items():
                 with self.subTest(path=path, transform=name):
                     self.assertEqual(value, want.get(name, hess))
 
     def test_first_derivatives_do_not_run_fwd_again(self):
-        # Only a differentiated backward runs fwd a second time.
+        # Only a differentiated backward runs fwd a second time; torch.func's
+        # own backward of a level runs with grad mode on, but keeps no graph.
+        x, w, xs = self.x, self.w, torch.randn(3, 5)
+        for name, run in {
+            "grad": lambda: grad(lambda x: self.op(x, w).sum())(x),
+            "vmap(grad)": lambda: vmap(grad(lambda x: self.op(x, w).sum()))(xs),
+            "vjp": lambda: vjp(lambda x: self.op(x, w), x)[1](torch.ones(5)),
+            "jacrev": lambda: jacrev(lambda x: self.op(x, w))(x),
+            "vmap(jacrev)": lambda: vmap(jacrev(lambda x: self.op(x, w)))(xs),
+        }.items():
+            with self.subTest(name):
+                run()
+                self.assertEqual(counts()["fwd"], 1, name)
         x = self.x.clone().requires_grad_()
         (g,) = torch.autograd.grad(self.op(x, self.w).sum(), x)
-        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 1})
+        self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 0})  # checked above already
         (g,) = torch.autograd.grad(self.op(x, self.w).sum(), x, create_graph=True)
         g.sum().backward()
         self.assertEqual(counts(), {"fn": 0, "fwd": 2, "bwd": 1, "fake": 0})

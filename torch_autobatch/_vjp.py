@@ -17,13 +17,20 @@ but it was computed below autograd, so it has no history: differentiating
 ``bwd``'s result again through it would miss d(residual)/d(input) and be
 silently wrong (autograd.Function's trap for intermediates saved in
 ``forward``). So when the backward runs with grad mode on (``create_graph=True``,
-or a torch.func level) and an input is tracked by a differentiation outside
-the node's own level (at the base: the input requires grad; under torch.func:
-the input, one grad level down, is still tracked by a transform), it runs
-``fwd`` again on the inputs it saved, recorded, and hands ``bwd`` those
-residuals: the second derivative is ``bwd``'s derivative through ``fwd``, as
-JAX's ``custom_vjp`` gives. First derivatives never pay for it; residuals that
-are inputs themselves (``w`` passed through) carry their own history anyway.
+or a torch.func level) and an input is tracked by a differentiation that can
+differentiate this backward, it runs ``fwd`` again on the inputs it saved,
+recorded, and hands ``bwd`` those residuals: the second derivative is
+``bwd``'s derivative through ``fwd``, as JAX's ``custom_vjp`` gives. Those
+differentiations are: at the base, autograd (the input requires grad); under
+torch.func, a transform outside the node's level (the input, one grad level
+down, is still tracked); and the node's own level while it is alive, when
+the backward keeps its graph (``torch.autograd.grad(..., create_graph=True)``
+inside ``torch.func.grad``: the result is differentiated again at that level).
+torch.func's own last backward of a level keeps no graph (``retain_graph=False``)
+and the level then exits, so ``grad``, ``vmap(grad)`` and ``jacrev`` (whose
+level has exited when its pullback runs) never rerun ``fwd``: first derivatives
+never pay for it. Residuals that are inputs themselves (``w`` passed through)
+carry their own history anyway.
 """
 
 from __future__ import annotations
@@ -178,19 +185,22 @@ class _Record(NamedTuple):
     computed: bool  # a residual tensor is not an input: NOTE [Second derivatives through residuals]
 
 
-def _tracked_outside(x: torch.Tensor, level: int) -> bool:
-    """Is input ``x`` of a node of functorch ``level`` (0: the base) tracked by a differentiation outside it?
+def _tracked_outside(x: torch.Tensor, level: int, keep_graph: bool) -> bool:
+    """Can a differentiation of input ``x``, of a node of functorch ``level`` (0: the base), differentiate its backward?
 
     NOTE [Second derivatives through residuals]. In the backward, ``x`` is a
-    TensorWrapper of the node's level while that level is alive (its value,
-    one level down, then tells), or already the outer level's tensor (the
-    node's level has exited, as after ``vjp``); at the base, a tensor that
-    requires grad under ``create_graph=True``.
+    TensorWrapper of the node's level while that level is alive (tracked by
+    the level itself when the backward keeps its graph; else its value, one
+    level down, tells), or already the outer level's tensor (the node's level
+    has exited, as after ``vjp``); at the base, a tensor that requires grad
+    under ``create_graph=True``.
     """
     functorch = torch._C._functorch
     while functorch.is_batchedtensor(x):
         x = functorch.get_unwrapped(x)
     if level > 0 and functorch.is_gradtrackingtensor(x) and functorch.maybe_get_level(x) >= level:
+        if keep_graph:
+            return True
         x = functorch.get_unwrapped(x)
         while functorch.is_batchedtensor(x):
             x = functorch.get_unwrapped(x)
@@ -198,8 +208,8 @@ def _tracked_outside(x: torch.Tensor, level: int) -> bool:
 
 
 def _inputs_tracked_outside(inputs: _Flat, saved: tuple[torch.Tensor, ...]) -> bool:
-    level = _C._backward_level()
-    return any(_tracked_outside(saved[slot], level) for _, slot in inputs.slots)
+    level, keep_graph = _C._backward_level(), torch._C._autograd._get_current_graph_task_keep_graph()
+    return any(_tracked_outside(saved[slot], level, keep_graph) for _, slot in inputs.slots)
 
 
 def _backward(op: CustomOpDef) -> Callable[..., Any]:
