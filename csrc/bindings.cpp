@@ -116,5 +116,6 @@ PYBIND11_MODULE(_C, m) {
       "{name: (arguments a call passes or -1 for an attribute, 'op' or 'ctx')}: "
       "what the kernels look up (NOTE [The Python side of the kernels]).");
   tab::bind_saved_tensors(m);
+  tab::bind_vjp_residuals(m);
   tab::bind_tracer(m);
 }

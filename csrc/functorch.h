@@ -81,6 +81,42 @@ inline at::Tensor strip_dead_wrappers(at::Tensor t) {
   return t;
 }
 
+// `t` without its TensorWrappers (BatchedTensors kept): the tensor an op's
+// kernel below every Grad/Jvp level saw.
+inline at::Tensor below_grad_levels(at::Tensor t) {
+  while (auto* w = at::functorch::maybeGetTensorWrapper(t)) {
+    t = w->value();
+  }
+  return t;
+}
+
+// NOTE [Second derivatives through residuals] (torch_autobatch/_vjp.py): can
+// a differentiation that tracks `t`, an input of a grad node of functorch
+// `level` (0: the base), differentiate the node's backward? `t` is a
+// TensorWrapper of the node's level while that level is alive (the level
+// tracks it itself when the backward keeps its graph; else its value one
+// level down tells), or already an outer level's tensor once the level has
+// exited; a dead wrapper counts as tracked.
+inline bool tracked_beyond_node(at::Tensor t, int64_t level, bool keep_graph) {
+  auto unbatch = [](at::Tensor u) {
+    while (auto* b = at::functorch::maybeGetBatchedImpl(u)) {
+      u = b->value();
+    }
+    return u;
+  };
+  t = unbatch(t);
+  if (level > 0) {
+    auto* w = at::functorch::maybeGetTensorWrapper(t);
+    if (w != nullptr && w->level().value_or(-2) >= level) {
+      if (keep_graph) {
+        return true;
+      }
+      t = unbatch(w->value());
+    }
+  }
+  return at::functorch::maybeGetTensorWrapper(t) != nullptr || t.requires_grad();
+}
+
 // The innermost plain tensor under every BatchedTensor and TensorWrapper.
 inline at::Tensor innermost(at::Tensor t) {
   while (true) {

@@ -103,6 +103,8 @@ class SavedTensorsScope {
 // Adds _C._SavedTensors (the type of BackwardContext.saved_tensors) and
 // _C._call_with_saved_tensors.
 void bind_saved_tensors(py::module_& m);
+// register_vjp's per-call bookkeeping (vjp_residuals.cpp).
+void bind_vjp_residuals(py::module_& m);
 
 // The level of the grad node whose backward is running on this thread (0: the
 // base, or none).

@@ -16,8 +16,8 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
 
-# Calls on real data. The function also runs on fake tensors, as the op's
-# fake kernel, once per input metadata to check fwd's output (NOTE [fwd
+# Calls on real data. The function also runs on meta (or fake) tensors, as
+# the op's fake kernel, once per input metadata to check fwd's output (NOTE [fwd
 # returns what the op returns]): "fake" counts those.
 CALLS = {"fn": 0, "fwd": 0, "bwd": 0, "fake": 0}
 
@@ -29,7 +29,7 @@ def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def make_op() -> torch_autobatch.CustomOpDef:
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        CALLS["fake" if isinstance(x, FakeTensor) else "fn"] += 1
+        CALLS["fake" if isinstance(x, FakeTensor) or x.is_meta else "fn"] += 1
         return torch.tanh(x) * w
 
     def fwd(x, w):
@@ -335,8 +335,7 @@ class TestRegisterVjp(TestCase):
             op(self.x.clone().requires_grad_(), self.w)
         self.assertExpectedInline(
             str(caught.exception).replace(op._qualname, "OP"),
-            """\
-torch_autobatch: the fwd of OP (TestRegisterVjp.test_fwd_whose_output_is_not_the_ops_is_an_error_on_every_path.<locals>.<lambda>) must return the op's output as its function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd returned Tensor(shape=[1, 5], dtype=torch.float32, device=cpu) and the op returns Tensor(shape=[5], dtype=torch.float32, device=cpu) (its fake kernel: register_fake's function, else the op's own function on fake tensors). Make fwd's output match.""",
+            """torch_autobatch: the fwd of OP (TestRegisterVjp.test_fwd_whose_output_is_not_the_ops_is_an_error_on_every_path.<locals>.<lambda>) must return the op's output as its function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd returned Tensor(shape=[1, 5], dtype=torch.float32, device=cpu) and the op returns Tensor(shape=[5], dtype=torch.float32) (its fake kernel: register_fake's function, else the op's own function on meta or fake tensors). Make fwd's output match.""",
         )
 
     def test_compiled_with_backward_takes_new_values_and_runs_no_python(self):

@@ -44,6 +44,23 @@ class _SavedTensors:
 def _backward_level() -> int: ...
 def _call_with_saved_tensors(fn: Callable[..., Any], ctx: object, saved: object, /, *args: Any) -> Any: ...
 
+# register_vjp's per-call bookkeeping (csrc/vjp_residuals.cpp).
+def _vjp_split_saved(
+    inputs: tuple[Any, ...], residuals: Any, leaves: bool
+) -> (
+    tuple[
+        tuple[torch.Tensor, ...],
+        tuple[Any, ...],
+        list[tuple[int, int]],
+        tuple[Any, ...],
+        list[tuple[int, int]],
+        bool,
+    ]
+    | None
+): ...
+def _vjp_metadata_key(args: tuple[Any, ...], /) -> bytes | None: ...
+def _vjp_inputs_tracked(saved: tuple[torch.Tensor, ...], slots: list[tuple[int, int]], keep_graph: bool, /) -> bool: ...
+
 class _TraceImpl:
     """The C++ record of one trace (the tracer's bindings)."""
 

@@ -43,17 +43,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _C, _compile
-from ._vjp_check import check_fwd_output
+from ._vjp_check import check_fwd_output, fwd_name
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
 
-__all__ = ["register", "take_request_and_run_fwd", "wrap_kernel"]
-
-
-def _fwd_name(op: CustomOpDef) -> str:
-    fwd = op._ab.vjp_fwd
-    return getattr(fwd, "__qualname__", None) or repr(fwd)
+__all__ = ["register", "wrap_kernel"]
 
 
 def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, check: bool = True) -> tuple[Any, Any]:
@@ -62,7 +57,7 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
     result = op._ab.vjp_fwd(*args, **kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(
-            f"torch_autobatch: the fwd of {op._qualname} ({_fwd_name(op)}) must return "
+            f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) must return "
             f"(output, residuals), a tuple of two; it returned {type(result).__name__}"
             f"{'' if not isinstance(result, tuple) else f' of {len(result)}'}."
         )
@@ -71,43 +66,30 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
     outs = (out,) if n == 1 else out
     if not isinstance(outs, tuple) or len(outs) != n:
         raise TypeError(
-            f"torch_autobatch: the fwd of {op._qualname} ({_fwd_name(op)}) returned an output "
+            f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) returned an output "
             f"of structure {pytree.tree_structure(out)}, but the op returns {n} value(s) "
             f"({op._opoverload._schema.returns}). Return them as the op's function does."
         )
     if check:
-        check_fwd_output(op, _fwd_name(op), args, kwargs, outs)
+        check_fwd_output(op, args, kwargs, outs)
     return out, residuals
 
 
-def take_request_and_run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``fwd``'s output if a kernel asked for the op's residuals on this thread, else ``NotImplemented``."""
-    reg = op._ab.registration
-    if op._ab.vjp_fwd is None or reg is None or not reg.take_residual_request():
-        return NotImplemented
-    out, residuals = run_fwd(op, args, kwargs)
-    reg.deliver_residuals(residuals)
-    return out
-
-
 def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as the op's backend kernel: ``fwd`` instead where residuals are asked for."""
+    """``fn`` as the op's backend kernel: ``fwd`` instead where a kernel of ours asked for the op's residuals."""
+    ab = op._ab
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        out = take_request_and_run_fwd(op, args, kwargs)
-        return fn(*args, **kwargs) if out is NotImplemented else out
+        reg = ab.registration
+        if ab.vjp_fwd is None or reg is None or not reg.take_residual_request():
+            return fn(*args, **kwargs)
+        out, residuals = run_fwd(op, args, kwargs)
+        reg.deliver_residuals(residuals)
+        return out
 
     kernel.__qualname__ = getattr(fn, "__qualname__", "kernel")
     kernel.__name__ = getattr(fn, "__name__", "kernel")
     return kernel
-
-
-def _below_levels(x: torch.Tensor) -> torch.Tensor:
-    """``x`` without its functorch grad wrappers: the tensor the op's kernel below autograd saw."""
-    functorch = torch._C._functorch
-    while functorch.is_gradtrackingtensor(x):
-        x = functorch.get_unwrapped(x)
-    return x
 
 
 def _setup_context(op: CustomOpDef) -> Callable[..., None]:
@@ -121,53 +103,29 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
                 _, residuals = run_fwd(op, positional, kwargs)
         # The tensor inputs are saved too, for a backward that is itself
         # differentiated (NOTE [Second derivatives through residuals]); a
-        # residual that is an input (fwd saw it below the levels: unwrapped)
-        # shares the input's slot, so it is saved once and keeps its history.
-        input_leaves, input_spec = _flatten(inputs)
-        saved: list[torch.Tensor] = []
-        slot_below: dict[int, int] = {}
-        input_slots = []
-        for i, x in enumerate(input_leaves):
-            if isinstance(x, torch.Tensor):
-                slot_below[id(_below_levels(x))] = len(saved)
-                input_slots.append((i, len(saved)))
-                saved.append(x)
-                input_leaves[i] = None
-        leaves, spec = _flatten(residuals)
-        residual_slots = []
-        computed = False
-        for i, r in enumerate(leaves):
-            if isinstance(r, torch.Tensor):
-                slot = slot_below.get(id(r))
-                if slot is None:
-                    slot, computed = len(saved), True
-                    saved.append(r)
-                residual_slots.append((i, slot))
-                leaves[i] = None
+        # residual that is an input (fwd saw it below the levels) shares the
+        # input's slot, so it is saved once and keeps its history.
+        input_spec = spec = None
+        split = _C._vjp_split_saved(inputs, residuals, leaves=False)
+        if split is None:  # not flat tuples: their pytree leaves
+            input_leaves, input_spec = pytree.tree_flatten(inputs)
+            leaves, spec = pytree.tree_flatten(residuals)
+            split = _C._vjp_split_saved(tuple(input_leaves), tuple(leaves), leaves=True)
+        saved, input_leaves, input_slots, leaves, residual_slots, computed = split
         ctx.save_for_backward(*saved)
-        ctx.vjp_record = _Record(
-            _Flat(spec, leaves, residual_slots), _Flat(input_spec, input_leaves, input_slots), computed
-        )
+        # The node's own, per call: what the backward rebuilds.
+        ctx.vjp_residuals = _Flat(spec, leaves, residual_slots)
+        ctx.vjp_inputs = _Flat(input_spec, input_leaves, input_slots)
+        ctx.vjp_computed = computed  # a residual tensor is not an input: NOTE [Second derivatives through residuals]
 
     return setup_context
-
-
-# Leaves that are never pytree containers: a tuple of these is flat.
-_ATOMS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout})
-
-
-def _flatten(tree: Any) -> tuple[list[Any], Optional[pytree.TreeSpec]]:
-    """``pytree.tree_flatten``, with spec None for a flat tuple (the usual residuals and inputs, at a tenth of the cost)."""
-    if type(tree) is tuple and all(isinstance(v, torch.Tensor) or type(v) in _ATOMS for v in tree):
-        return list(tree), None
-    return pytree.tree_flatten(tree)
 
 
 class _Flat(NamedTuple):
     """A pytree whose tensor leaves were saved with ``save_for_backward``, and how to put them back."""
 
-    spec: Optional[pytree.TreeSpec]  # None: a flat tuple (_flatten)
-    leaves: list[Any]  # the leaves, None where a tensor was
+    spec: Optional[pytree.TreeSpec]  # None: a flat tuple
+    leaves: tuple[Any, ...]  # the leaves, None where a tensor was
     slots: list[tuple[int, int]]  # (leaf index, index in ctx.saved_tensors) of each tensor
 
     def rebuild(self, saved: tuple[torch.Tensor, ...]) -> Any:
@@ -177,49 +135,18 @@ class _Flat(NamedTuple):
         return tuple(values) if self.spec is None else pytree.tree_unflatten(values, self.spec)
 
 
-class _Record(NamedTuple):
-    """What setup_context leaves the backward (``ctx.vjp_record``): the node's own, per call."""
-
-    residuals: _Flat
-    inputs: _Flat
-    computed: bool  # a residual tensor is not an input: NOTE [Second derivatives through residuals]
-
-
-def _tracked_outside(x: torch.Tensor, level: int, keep_graph: bool) -> bool:
-    """Can a differentiation of input ``x``, of a node of functorch ``level`` (0: the base), differentiate its backward?
-
-    NOTE [Second derivatives through residuals]. In the backward, ``x`` is a
-    TensorWrapper of the node's level while that level is alive (tracked by
-    the level itself when the backward keeps its graph; else its value, one
-    level down, tells), or already the outer level's tensor (the node's level
-    has exited, as after ``vjp``); at the base, a tensor that requires grad
-    under ``create_graph=True``.
-    """
-    functorch = torch._C._functorch
-    while functorch.is_batchedtensor(x):
-        x = functorch.get_unwrapped(x)
-    if level > 0 and functorch.is_gradtrackingtensor(x) and functorch.maybe_get_level(x) >= level:
-        if keep_graph:
-            return True
-        x = functorch.get_unwrapped(x)
-        while functorch.is_batchedtensor(x):
-            x = functorch.get_unwrapped(x)
-    return functorch.is_gradtrackingtensor(x) or x.requires_grad
-
-
-def _inputs_tracked_outside(inputs: _Flat, saved: tuple[torch.Tensor, ...]) -> bool:
-    level, keep_graph = _C._backward_level(), torch._C._autograd._get_current_graph_task_keep_graph()
-    return any(_tracked_outside(saved[slot], level, keep_graph) for _, slot in inputs.slots)
+def _inputs_tracked(inputs: _Flat, saved: tuple[torch.Tensor, ...]) -> bool:
+    """Can a differentiation of the saved inputs differentiate this backward (NOTE [Second derivatives through residuals])?"""
+    return _C._vjp_inputs_tracked(saved, inputs.slots, torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def _backward(op: CustomOpDef) -> Callable[..., Any]:
     def backward(ctx: Any, *grads: Any) -> Any:
-        record: _Record = ctx.vjp_record
         saved = ctx.saved_tensors
-        if record.computed and torch.is_grad_enabled() and _inputs_tracked_outside(record.inputs, saved):
-            residuals = _residuals_with_history(op, record.inputs.rebuild(saved))
+        if ctx.vjp_computed and torch.is_grad_enabled() and _inputs_tracked(ctx.vjp_inputs, saved):
+            residuals = _residuals_with_history(op, ctx.vjp_inputs.rebuild(saved))
         else:
-            residuals = record.residuals.rebuild(saved)
+            residuals = ctx.vjp_residuals.rebuild(saved)
         assert op._ab.vjp_bwd is not None
         if op._ab.vjp_bwd_takes_needs_input_grad:
             return op._ab.vjp_bwd(residuals, *grads, needs_input_grad=ctx.needs_input_grad)

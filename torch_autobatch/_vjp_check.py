@@ -9,15 +9,18 @@ batched composite, the per-example loop, setup_context under a register_vmap
 rule or the fake kernel, Inductor's decomposition) compares its output's
 structure, shapes, dtypes and devices with the op's fake kernel's
 (register_fake's, else the function's) on the same inputs: torch's own
-statement of what the op returns. The fake kernel runs on fake copies of the
-inputs in a FakeTensorMode of its own, outside every functorch level, autograd
-and dispatch mode, once per input metadata and values: the output's metadata
-is cached on the op under that key (a pure function of it: no per-call state),
-so a call pays for the key and the comparison alone (~3 us). Symbolic sizes
-(a dynamic-shape trace) are not a key: the fake kernel then runs in the
-trace's fake mode on every call, and only a size that differs for certain is
-an error. A fake kernel that cannot run on these inputs (it leaves torch)
-leaves only the structure checked (``_vjp.run_fwd``).
+statement of what the op returns. The fake kernel runs outside every functorch
+level, autograd and dispatch mode, on meta copies of the inputs (where it
+cannot, as a fake kernel that asks torch.library.get_ctx() for a dynamic size,
+on fake copies in a FakeTensorMode of its own: the first one a process makes
+costs ~1 s), once per input metadata and values: the output's metadata is
+cached on the op under that key (a pure function of it: no per-call state),
+so a call pays for the key and the comparison alone (~2 us). An output on the
+meta device has no device to compare. Symbolic sizes (a dynamic-shape trace)
+are not a key: the fake kernel then runs in the trace's fake mode on every
+call, and only a size that differs for certain is an error. A fake kernel
+that cannot run on these inputs (it leaves torch) leaves only the structure
+checked (``_vjp.run_fwd``).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import _C
+
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
 
-__all__ = ["check_fwd_output"]
+__all__ = ["check_fwd_output", "fwd_name"]
 
 _CACHE_SIZE = 256  # entries per op; a full cache starts again
 _MISSING = object()
@@ -44,13 +49,17 @@ class _TensorMeta(NamedTuple):
 
     shape: tuple[Any, ...]  # ints; SymInts in a dynamic-shape trace
     dtype: torch.dtype
-    device: torch.device
+    device: Optional[torch.device]  # None: computed on the meta device, not compared
     static: bool  # every size an int
 
 
-def check_fwd_output(
-    op: CustomOpDef, fwd_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]
-) -> None:
+def fwd_name(op: CustomOpDef) -> str:
+    """How errors name the op's register_vjp ``fwd``."""
+    fwd = op._ab.vjp_fwd
+    return getattr(fwd, "__qualname__", None) or repr(fwd)
+
+
+def check_fwd_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> None:
     """Raises if ``outs`` (fwd's output, one value per return) is not what the op returns for these inputs."""
     expected = _expected(op, args, kwargs)
     if expected is None:
@@ -63,7 +72,7 @@ def check_fwd_output(
                 and want.static
                 and isinstance(got, torch.Tensor)
                 and got.dtype == want.dtype
-                and got.device == want.device
+                and (want.device is None or got.device == want.device)
                 and got.shape == want.shape
             ):
                 break
@@ -72,10 +81,10 @@ def check_fwd_output(
     if _matches(outs, expected):
         return
     raise TypeError(
-        f"torch_autobatch: the fwd of {op._qualname} ({fwd_name}) must return the op's output as its "
+        f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) must return the op's output as its "
         f"function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd "
         f"returned {_describe(_meta(outs))} and the op returns {_describe(expected)} (its fake kernel: "
-        f"register_fake's function, else the op's own function on fake tensors). Make fwd's output match."
+        f"register_fake's function, else the op's own function on meta or fake tensors). Make fwd's output match."
     )
 
 
@@ -84,7 +93,8 @@ def _expected(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     try:
         # The fake kernel's output is a function of this key alone, whatever
         # the tensors are: real, batched, fake with static sizes.
-        key = (op._abstract_fn, _key(args), _key(kwargs) if kwargs else None)
+        arguments = args + tuple(kwargs.values()) if kwargs else args  # kwargs: in schema order
+        key = (op._abstract_fn, _C._vjp_metadata_key(arguments) or _key(arguments))
         cache = op._ab.vjp_expected
         hit = cache.get(key, _MISSING)
     except TypeError:  # a symbolic size, or a value that cannot be hashed
@@ -98,8 +108,7 @@ def _expected(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def _key(value: Any) -> Any:
-    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):  # the usual arguments
-        return tuple([(v.shape, v.dtype, v.device, v.layout) for v in value])
+    """The key for arguments ``_C._vjp_metadata_key`` has no encoding for (raises TypeError if unhashable)."""
     if isinstance(value, torch.Tensor):
         return (value.shape, value.dtype, value.device, value.layout)
     if isinstance(value, (tuple, list)):
@@ -114,26 +123,34 @@ def _run_fake_kernel(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, A
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     # Symbolic sizes belong to the trace's shape environment: its fake mode.
     traced = any(type(d) is not int for t in tensors for d in t.shape)
-    fake_mode = torch._guards.detect_fake_mode() if traced else None
+
+    def run(device: Optional[str]) -> Any:
+        def empty_like(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device=device or t.device, layout=t.layout)
+
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, empty_like, (args, kwargs))
+        out = fake_kernel(*fake_args, **fake_kwargs)
+        return _meta((out,) if op._ab.num_returns == 1 else tuple(out))
+
     with torch._C._DisableFuncTorch(), torch.no_grad(), _disable_current_modes():
-        with fake_mode if fake_mode is not None else FakeTensorMode(allow_non_fake_inputs=True):
-
-            def empty_like(t: torch.Tensor) -> torch.Tensor:
-                return torch.empty(t.shape, dtype=t.dtype, device=t.device, layout=t.layout)
-
+        if not traced:
             try:
-                fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, empty_like, (args, kwargs))
-                out = fake_kernel(*fake_args, **fake_kwargs)
-            except Exception:  # it cannot run here: NOTE [fwd returns what the op returns]
-                return None
-            return _meta((out,) if op._ab.num_returns == 1 else tuple(out))
+                return run("meta")  # type: ignore[no-any-return]
+            except Exception:  # noqa: S110  (then in a fake mode, below)
+                pass
+        try:
+            with torch._guards.detect_fake_mode() if traced else FakeTensorMode(allow_non_fake_inputs=True):
+                return run(None)  # type: ignore[no-any-return]
+        except Exception:  # it cannot run here: NOTE [fwd returns what the op returns]
+            return None
 
 
 def _meta(value: Any) -> Any:
     """``value`` with each tensor replaced by its _TensorMeta, each sequence by a list, anything else by its type."""
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
-        return _TensorMeta(shape, value.dtype, value.device, all(type(d) is int for d in shape))
+        device = None if value.device.type == "meta" else value.device
+        return _TensorMeta(shape, value.dtype, device, all(type(d) is int for d in shape))
     if isinstance(value, (tuple, list)):
         return [_meta(v) for v in value]
     return type(value)
@@ -142,7 +159,9 @@ def _meta(value: Any) -> Any:
 def _matches(got: Any, want: Any) -> bool:
     """Is ``got`` an output of metadata ``want`` (one structure; tensors of one dtype, device and shape)?"""
     if type(want) is _TensorMeta:
-        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.device != want.device:
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype:
+            return False
+        if want.device is not None and got.device != want.device:
             return False
         shape = got.shape
         if len(shape) != len(want.shape):
@@ -158,7 +177,8 @@ def _matches(got: Any, want: Any) -> bool:
 def _describe(meta: list[Any]) -> str:
     def one(m: Any) -> str:
         if type(m) is _TensorMeta:
-            return f"Tensor(shape={list(m.shape)}, dtype={m.dtype}, device={m.device})"
+            device = "" if m.device is None else f", device={m.device}"
+            return f"Tensor(shape={list(m.shape)}, dtype={m.dtype}{device})"
         if type(m) is list:
             return "[" + ", ".join(one(v) for v in m) + "]"
         return m.__name__  # type: ignore[no-any-return]
