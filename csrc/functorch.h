@@ -117,6 +117,15 @@ inline bool tracked_beyond_node(at::Tensor t, int64_t level, bool keep_graph) {
   return at::functorch::maybeGetTensorWrapper(t) != nullptr || t.requires_grad();
 }
 
+// The number of Grad and Jvp levels on this thread's stack.
+inline size_t num_ad_levels() {
+  size_t n = 0;
+  for (const DynamicLayer& layer : at::functorch::getDynamicLayerStack()) {
+    n += layer.key() == TransformType::Grad || layer.key() == TransformType::Jvp;
+  }
+  return n;
+}
+
 // The innermost plain tensor under every BatchedTensor and TensorWrapper.
 inline at::Tensor innermost(at::Tensor t) {
   while (true) {

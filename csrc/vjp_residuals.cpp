@@ -92,11 +92,19 @@ py::object split_saved(const py::handle& inputs, const py::handle& residuals, bo
   bool computed = false;
   py::tuple residual_rest = take_tensors(
       py::reinterpret_borrow<py::tuple>(residuals), saved, residual_slots, &below, &computed);
+  // Could a differentiation other than the innermost AD level differentiate
+  // the backward (NOTE [Second derivatives through residuals])? Only with a
+  // second AD level, or with an input that requires grad at the base.
+  bool outer = functorch::num_ad_levels() > 1;
+  for (size_t s = 0; s < input_slots.size() && !outer; ++s) {
+    outer = functorch::innermost(THPVariable_Unpack(saved[s].ptr())).requires_grad();
+  }
   py::tuple saved_tuple(saved.size());
   for (size_t s = 0; s < saved.size(); ++s) {
     saved_tuple[s] = saved[s];
   }
-  return py::make_tuple(saved_tuple, input_rest, input_slots, residual_rest, residual_slots, computed);
+  return py::make_tuple(
+      saved_tuple, input_rest, input_slots, residual_rest, residual_slots, computed, outer);
 }
 
 // NOTE [Second derivatives through residuals]: does a differentiation track
@@ -206,7 +214,8 @@ void bind_vjp_residuals(py::module_& m) {
       "register_vjp: a bytes key of the arguments' tensor metadata and values, or None.");
   m.def(
       "_vjp_split_saved", &split_saved,
-      "register_vjp: (saved, input leaves, input slots, residual leaves, residual slots, computed) "
+      "register_vjp: (saved, input leaves, input slots, residual leaves, residual slots, computed, "
+      "outer) "
       "for tuples of inputs and residuals that are flat (or pytree leaves), else None.",
       py::arg("inputs"), py::arg("residuals"), py::arg("leaves"));
   m.def(

@@ -55,6 +55,7 @@ def _vjp_split_saved(
         tuple[Any, ...],
         list[tuple[int, int]],
         bool,
+        bool,
     ]
     | None
 ): ...

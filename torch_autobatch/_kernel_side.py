@@ -68,7 +68,7 @@ class OpExtras:
         "vjp_fwd",
         "vjp_bwd",
         "vjp_bwd_takes_needs_input_grad",
-        "vjp_expected",
+        "vjp_checked",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -90,8 +90,8 @@ class OpExtras:
         self.vjp_bwd: Optional[Callable[..., Any]] = None
         #: Does ``vjp_bwd`` take ``needs_input_grad=`` (a bool per input)?
         self.vjp_bwd_takes_needs_input_grad = False
-        #: The fake kernel's output by input metadata: NOTE [fwd returns what the op returns].
-        self.vjp_expected: dict[Any, Any] = {}
+        #: The input keys whose fwd output was checked: NOTE [fwd returns what the op returns].
+        self.vjp_checked: dict[Any, bool] = {}
 
 
 class KernelSide:

@@ -53,8 +53,9 @@ __all__ = ["register", "wrap_kernel"]
 
 def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, check: bool = True) -> tuple[Any, Any]:
     """``fwd(*args, **kwargs)``, checked (NOTE [fwd returns what the op returns]): the op's output and the residuals."""
-    assert op._ab.vjp_fwd is not None
-    result = op._ab.vjp_fwd(*args, **kwargs)
+    ab = op._ab
+    assert ab.vjp_fwd is not None
+    result = ab.vjp_fwd(*args, **kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(
             f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) must return "
@@ -62,7 +63,7 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
             f"{'' if not isinstance(result, tuple) else f' of {len(result)}'}."
         )
     out, residuals = result
-    n = op._ab.num_returns
+    n = ab.num_returns
     outs = (out,) if n == 1 else out
     if not isinstance(outs, tuple) or len(outs) != n:
         raise TypeError(
@@ -106,17 +107,20 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
         # residual that is an input (fwd saw it below the levels) shares the
         # input's slot, so it is saved once and keeps its history.
         input_spec = spec = None
-        split = _C._vjp_split_saved(inputs, residuals, leaves=False)
+        split = _C._vjp_split_saved(inputs, residuals, False)
         if split is None:  # not flat tuples: their pytree leaves
             input_leaves, input_spec = pytree.tree_flatten(inputs)
             leaves, spec = pytree.tree_flatten(residuals)
-            split = _C._vjp_split_saved(tuple(input_leaves), tuple(leaves), leaves=True)
-        saved, input_leaves, input_slots, leaves, residual_slots, computed = split
+            split = _C._vjp_split_saved(tuple(input_leaves), tuple(leaves), True)  # leaves
+        saved, input_leaves, input_slots, leaves, residual_slots, computed, outer = split
         ctx.save_for_backward(*saved)
-        # The node's own, per call: what the backward rebuilds.
+        # The node's own, per call: what the backward rebuilds, and whether
+        # it may have to rerun fwd (NOTE [Second derivatives through residuals]):
+        # a residual tensor is not an input; a differentiation besides the
+        # innermost AD level tracks an input.
         ctx.vjp_residuals = _Flat(spec, leaves, residual_slots)
         ctx.vjp_inputs = _Flat(input_spec, input_leaves, input_slots)
-        ctx.vjp_computed = computed  # a residual tensor is not an input: NOTE [Second derivatives through residuals]
+        ctx.vjp_computed, ctx.vjp_outer = computed, outer
 
     return setup_context
 
@@ -135,22 +139,26 @@ class _Flat(NamedTuple):
         return tuple(values) if self.spec is None else pytree.tree_unflatten(values, self.spec)
 
 
-def _inputs_tracked(inputs: _Flat, saved: tuple[torch.Tensor, ...]) -> bool:
+def _inputs_tracked(ctx: Any, saved: tuple[torch.Tensor, ...]) -> bool:
     """Can a differentiation of the saved inputs differentiate this backward (NOTE [Second derivatives through residuals])?"""
-    return _C._vjp_inputs_tracked(saved, inputs.slots, torch._C._autograd._get_current_graph_task_keep_graph())
+    keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+    # Without a second AD level, only the node's own level can, keeping the graph.
+    return (ctx.vjp_outer or keep_graph) and _C._vjp_inputs_tracked(saved, ctx.vjp_inputs.slots, keep_graph)
 
 
 def _backward(op: CustomOpDef) -> Callable[..., Any]:
+    ab = op._ab
+
     def backward(ctx: Any, *grads: Any) -> Any:
         saved = ctx.saved_tensors
-        if ctx.vjp_computed and torch.is_grad_enabled() and _inputs_tracked(ctx.vjp_inputs, saved):
+        if ctx.vjp_computed and torch.is_grad_enabled() and _inputs_tracked(ctx, saved):
             residuals = _residuals_with_history(op, ctx.vjp_inputs.rebuild(saved))
         else:
             residuals = ctx.vjp_residuals.rebuild(saved)
-        assert op._ab.vjp_bwd is not None
-        if op._ab.vjp_bwd_takes_needs_input_grad:
-            return op._ab.vjp_bwd(residuals, *grads, needs_input_grad=ctx.needs_input_grad)
-        return op._ab.vjp_bwd(residuals, *grads)
+        assert ab.vjp_bwd is not None
+        if ab.vjp_bwd_takes_needs_input_grad:
+            return ab.vjp_bwd(residuals, *grads, needs_input_grad=ctx.needs_input_grad)
+        return ab.vjp_bwd(residuals, *grads)
 
     return backward
 

@@ -13,10 +13,13 @@ statement of what the op returns. The fake kernel runs outside every functorch
 level, autograd and dispatch mode, on meta copies of the inputs (where it
 cannot, as a fake kernel that asks torch.library.get_ctx() for a dynamic size,
 on fake copies in a FakeTensorMode of its own: the first one a process makes
-costs ~1 s), once per input metadata and values: the output's metadata is
-cached on the op under that key (a pure function of it: no per-call state),
-so a call pays for the key and the comparison alone (~2 us). An output on the
-meta device has no device to compare. Symbolic sizes (a dynamic-shape trace)
+costs ~1 s). It runs, and fwd's output is compared, once per input metadata
+and values (the key, built in C++: ``_C._vjp_metadata_key``); the op caches
+the key as checked (a fact about the key: no per-call state), so a later call
+pays for the key alone (< 1 us). fwd's output metadata is taken to be a
+function of its inputs' metadata and values, as the fake kernel's is, as JAX
+checks a ``custom_vjp``'s fwd once per trace. An output on the meta device
+has no device to compare. Symbolic sizes (a dynamic-shape trace)
 are not a key: the fake kernel then runs in the trace's fake mode on every
 call, and only a size that differs for certain is an error. A fake kernel
 that cannot run on these inputs (it leaves torch) leaves only the structure
@@ -40,8 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["check_fwd_output", "fwd_name"]
 
-_CACHE_SIZE = 256  # entries per op; a full cache starts again
-_MISSING = object()
+_CACHE_SIZE = 256  # keys per op; a full cache starts again
+_CHECKED = True  # the value of a key whose call was checked
 
 
 class _TensorMeta(NamedTuple):
@@ -50,7 +53,6 @@ class _TensorMeta(NamedTuple):
     shape: tuple[Any, ...]  # ints; SymInts in a dynamic-shape trace
     dtype: torch.dtype
     device: Optional[torch.device]  # None: computed on the meta device, not compared
-    static: bool  # every size an int
 
 
 def fwd_name(op: CustomOpDef) -> str:
@@ -61,24 +63,22 @@ def fwd_name(op: CustomOpDef) -> str:
 
 def check_fwd_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> None:
     """Raises if ``outs`` (fwd's output, one value per return) is not what the op returns for these inputs."""
-    expected = _expected(op, args, kwargs)
-    if expected is None:
-        return
-    # The usual case inline (a call's cost is in its Python frames): tensors of static sizes.
-    if len(outs) == len(expected):
-        for got, want in zip(outs, expected):
-            if not (
-                type(want) is _TensorMeta
-                and want.static
-                and isinstance(got, torch.Tensor)
-                and got.dtype == want.dtype
-                and (want.device is None or got.device == want.device)
-                and got.shape == want.shape
-            ):
-                break
-        else:
+    arguments = args + tuple(kwargs.values()) if kwargs else args  # kwargs: in schema order
+    cache = op._ab.vjp_checked
+    try:
+        # The fake kernel's output is a function of this key alone, whatever
+        # the tensors are: real, batched, fake with static sizes.
+        key: Any = (op._abstract_fn, _C._vjp_metadata_key(arguments) or _key(arguments))
+        if cache.get(key) is _CHECKED:
             return
-    if _matches(outs, expected):
+    except TypeError:  # a symbolic size, or a value that cannot be hashed: not cached
+        key = None
+    expected = _run_fake_kernel(op, args, kwargs)
+    if expected is None or _matches(outs, expected):
+        if key is not None:
+            if len(cache) >= _CACHE_SIZE:
+                cache.clear()
+            cache[key] = _CHECKED
         return
     raise TypeError(
         f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) must return the op's output as its "
@@ -86,25 +86,6 @@ def check_fwd_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, A
         f"returned {_describe(_meta(outs))} and the op returns {_describe(expected)} (its fake kernel: "
         f"register_fake's function, else the op's own function on meta or fake tensors). Make fwd's output match."
     )
-
-
-def _expected(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[list[Any]]:
-    """The metadata of the fake kernel's output for inputs like these, one entry per return; None if unknown."""
-    try:
-        # The fake kernel's output is a function of this key alone, whatever
-        # the tensors are: real, batched, fake with static sizes.
-        arguments = args + tuple(kwargs.values()) if kwargs else args  # kwargs: in schema order
-        key = (op._abstract_fn, _C._vjp_metadata_key(arguments) or _key(arguments))
-        cache = op._ab.vjp_expected
-        hit = cache.get(key, _MISSING)
-    except TypeError:  # a symbolic size, or a value that cannot be hashed
-        return _run_fake_kernel(op, args, kwargs)
-    if hit is not _MISSING:
-        return hit  # type: ignore[no-any-return]
-    if len(cache) >= _CACHE_SIZE:
-        cache.clear()
-    cache[key] = expected = _run_fake_kernel(op, args, kwargs)
-    return expected
 
 
 def _key(value: Any) -> Any:
@@ -150,7 +131,7 @@ def _meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
         device = None if value.device.type == "meta" else value.device
-        return _TensorMeta(shape, value.dtype, device, all(type(d) is int for d in shape))
+        return _TensorMeta(shape, value.dtype, device)
     if isinstance(value, (tuple, list)):
         return [_meta(v) for v in value]
     return type(value)
