@@ -20,8 +20,8 @@ namespace {
 // A leaf that is never a pytree container (as _vjp._ATOMS).
 bool is_atom(PyObject* v) {
   return v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
-      PyComplex_CheckExact(v) || PyUnicode_CheckExact(v) || THPDtype_Check(v) || THPDevice_Check(v) ||
-      THPLayout_Check(v);
+         PyComplex_CheckExact(v) || PyUnicode_CheckExact(v) || THPDtype_Check(v) ||
+         THPDevice_Check(v) || THPLayout_Check(v);
 }
 
 bool is_flat(const py::handle& tree) {
@@ -82,8 +82,8 @@ py::object split_saved(const py::handle& inputs, const py::handle& residuals, bo
   std::vector<py::object> saved;
   py::list input_slots, residual_slots;
   bool no_flag = false;
-  py::tuple input_rest =
-      take_tensors(py::reinterpret_borrow<py::tuple>(inputs), saved, input_slots, nullptr, &no_flag);
+  py::tuple input_rest = take_tensors(
+      py::reinterpret_borrow<py::tuple>(inputs), saved, input_slots, nullptr, &no_flag);
   std::unordered_map<c10::TensorImpl*, size_t> below;
   for (size_t s = 0; s < saved.size(); ++s) {
     at::Tensor t = functorch::below_grad_levels(THPVariable_Unpack(saved[s].ptr()));

@@ -175,9 +175,9 @@ class TestRegisterVjp(TestCase):
                 "d/dw of d/dx": jacrev(grad(lambda x, w: op(x, w).sum()), argnums=1)(x, w),
                 "vmap(hessian)": vmap(hessian(lambda x: op(x, w).sum()))(xs),
                 # differentiated again by the same level: the backward keeps its graph
-                "grad(autograd.grad)": grad(lambda x: torch.autograd.grad(op(x, w).sum(), x, create_graph=True)[0].sum())(
-                    x
-                ),
+                "grad(autograd.grad)": grad(
+                    lambda x: torch.autograd.grad(op(x, w).sum(), x, create_graph=True)[0].sum()
+                )(x),
                 "vmap(grad(autograd.grad))": vmap(
                     grad(lambda x: torch.autograd.grad(op(x, w).sum(), x, create_graph=True)[0].sum())
                 )(xs),

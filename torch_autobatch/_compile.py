@@ -274,6 +274,8 @@ def _package_digest() -> bytes:
     stat = os.stat(_C.__file__)
     h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
     return h.digest()
+
+
 # Containers and tensors are described up to these sizes (larger ones by type and shape).
 _MAX_ITEMS, _MAX_NUMEL = 64, 1 << 16
 

@@ -106,12 +106,14 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
         # differentiated (NOTE [Second derivatives through residuals]); a
         # residual that is an input (fwd saw it below the levels) shares the
         # input's slot, so it is saved once and keeps its history.
-        input_spec = spec = None
+        input_spec: Optional[pytree.TreeSpec] = None
+        spec: Optional[pytree.TreeSpec] = None
         split = _C._vjp_split_saved(inputs, residuals, False)
         if split is None:  # not flat tuples: their pytree leaves
-            input_leaves, input_spec = pytree.tree_flatten(inputs)
-            leaves, spec = pytree.tree_flatten(residuals)
-            split = _C._vjp_split_saved(tuple(input_leaves), tuple(leaves), True)  # leaves
+            flat_inputs, input_spec = pytree.tree_flatten(inputs)
+            flat_residuals, spec = pytree.tree_flatten(residuals)
+            split = _C._vjp_split_saved(tuple(flat_inputs), tuple(flat_residuals), True)  # leaves
+            assert split is not None
         saved, input_leaves, input_slots, leaves, residual_slots, computed, outer = split
         ctx.save_for_backward(*saved)
         # The node's own, per call: what the backward rebuilds, and whether

@@ -116,12 +116,15 @@ def _run_fake_kernel(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, A
     with torch._C._DisableFuncTorch(), torch.no_grad(), _disable_current_modes():
         if not traced:
             try:
-                return run("meta")  # type: ignore[no-any-return]
+                return run("meta")
             except Exception:  # noqa: S110  (then in a fake mode, below)
                 pass
+        mode = torch._guards.detect_fake_mode() if traced else FakeTensorMode(allow_non_fake_inputs=True)
+        if mode is None:
+            return None
         try:
-            with torch._guards.detect_fake_mode() if traced else FakeTensorMode(allow_non_fake_inputs=True):
-                return run(None)  # type: ignore[no-any-return]
+            with mode:
+                return run(None)
         except Exception:  # it cannot run here: NOTE [fwd returns what the op returns]
             return None
 
@@ -162,6 +165,6 @@ def _describe(meta: list[Any]) -> str:
             return f"Tensor(shape={list(m.shape)}, dtype={m.dtype}{device})"
         if type(m) is list:
             return "[" + ", ".join(one(v) for v in m) + "]"
-        return m.__name__  # type: ignore[no-any-return]
+        return str(m.__name__)
 
     return one(meta[0]) if len(meta) == 1 else "(" + ", ".join(one(v) for v in meta) + ")"
