@@ -622,17 +622,21 @@ def _render_cell(cell: Optional[Cell], notes: list[str]) -> str:
     return f"FAIL ({notes.index(cell['fail']) + 1})"
 
 
-def ratio_to_plain(cells: dict[str, Cell]) -> Optional[float]:
-    """torch_autobatch / plain, each at its fastest round (NOTE [Interleaved medians])."""
-    t, d = cells.get("t", {}), cells.get("d", {})
+def ratio_to_plain(cells: dict[str, Cell], variant: str = "t") -> Optional[float]:
+    """``variant`` (default torch_autobatch) / plain, each at its fastest round (NOTE [Interleaved medians])."""
+    t, d = cells.get(variant, {}), cells.get("d", {})
     if "s" not in t or "s" not in d or d["s"] <= 0:
         return None
     return t["s"] / d["s"]
 
 
-def _ratio(cells: dict[str, Cell]) -> str:
-    r = ratio_to_plain(cells)
+def _ratio(cells: dict[str, Cell], variant: str = "t") -> str:
+    r = ratio_to_plain(cells, variant)
     return "n/a" if r is None else f"{r:.2f}x"
+
+
+# The ratio columns: torch_autobatch / plain, and + register_vjp / plain where timed.
+RATIO_COLUMNS = {"t": "torch_autobatch / plain", "v": "+ `register_vjp` / plain"}
 
 
 def _calls_note(group: Group, rows: list[Row]) -> Optional[str]:
@@ -687,13 +691,14 @@ def render_markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
             ]
             continue
         notes: list[str] = []
-        header = [group.first_col] + list(group.labels.values()) + ["torch_autobatch / plain"]
+        ratios = [v for v in RATIO_COLUMNS if v in group.labels]
+        header = [group.first_col] + list(group.labels.values()) + [RATIO_COLUMNS[v] for v in ratios]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|")
         for row in res["rows"]:
             cells = [str(row["key"])]
             cells += [_render_cell(row["cells"].get(v), notes) for v in group.labels]
-            cells.append(_ratio(row["cells"]))
+            cells += [_ratio(row["cells"], v) for v in ratios]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
         for i, note in enumerate(notes, 1):
@@ -761,6 +766,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads to measure with (default 1)")
     parser.add_argument("--group-timeout", type=float, default=1800, help="seconds before a group is killed")
+    parser.add_argument(
+        "--render", action="store_true", help="only write DIR/benchmarks.md again from DIR/benchmarks.json (no runs)"
+    )
     parser.add_argument("--worker", choices=list(GROUPS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -769,6 +777,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = Config.make(args.quick, args.threads)
     if args.worker:
         return worker(args.worker, args.result, cfg)
+    if args.render:
+        saved = json.loads((args.out / "benchmarks.json").read_text())
+        (args.out / "benchmarks.md").write_text(render_markdown(saved["meta"], saved["results"]) + "\n")
+        print(f"wrote {args.out / 'benchmarks.md'}")
+        return 0
 
     t_start = time.perf_counter()
     machine = _machine()
