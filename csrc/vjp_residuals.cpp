@@ -84,10 +84,12 @@ py::object split_saved(const py::handle& inputs, const py::handle& residuals, bo
   bool no_flag = false;
   py::tuple input_rest = take_tensors(
       py::reinterpret_borrow<py::tuple>(inputs), saved, input_slots, nullptr, &no_flag);
+  // An input as this level sees it, and as fwd below the levels saw it.
   std::unordered_map<c10::TensorImpl*, size_t> below;
   for (size_t s = 0; s < saved.size(); ++s) {
-    at::Tensor t = functorch::below_grad_levels(THPVariable_Unpack(saved[s].ptr()));
+    const at::Tensor& t = THPVariable_Unpack(saved[s].ptr());
     below.emplace(t.unsafeGetTensorImpl(), s);
+    below.emplace(functorch::below_grad_levels(t).unsafeGetTensorImpl(), s);
   }
   bool computed = false;
   py::tuple residual_rest = take_tensors(
@@ -126,6 +128,9 @@ bool encode(PyObject* v, std::string& key) {
   auto put = [&key](const auto& x) { key.append(reinterpret_cast<const char*>(&x), sizeof(x)); };
   if (THPVariable_Check(v)) {
     const at::Tensor& t = THPVariable_Unpack(v);
+    if (t.is_nested() || t.unsafeGetTensorImpl()->is_python_dispatch()) {
+      return false; // sizes of their own: Python builds the key
+    }
     key.push_back('T');
     put(static_cast<int64_t>(t.dim()));
     for (const c10::SymInt& d : t.sym_sizes()) {

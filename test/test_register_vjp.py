@@ -338,6 +338,42 @@ class TestRegisterVjp(TestCase):
             """torch_autobatch: the fwd of OP (TestRegisterVjp.test_fwd_whose_output_is_not_the_ops_is_an_error_on_every_path.<locals>.<lambda>) must return the op's output as its function does (fwd runs instead of it when the op is differentiated), but on these inputs fwd returned Tensor(shape=[1, 5], dtype=torch.float32, device=cpu) and the op returns Tensor(shape=[5], dtype=torch.float32) (its fake kernel: register_fake's function, else the op's own function on meta or fake tensors). Make fwd's output match.""",
         )
 
+    def test_fwd_output_is_checked_per_shapes_and_values(self):
+        # NOTE [fwd returns what the op returns]: the check's key holds the
+        # arguments' metadata and their non-tensor values, so a fwd right for
+        # one value of n and wrong for another is caught on the other; the
+        # same key is checked once (the fake kernel, counted, runs once).
+        fake_runs = []
+
+        def fake(x, n, scale, dtype):
+            fake_runs.append(n)
+            return x.new_empty(x.shape[0] * n, dtype=dtype)
+
+        def fwd(x, n, scale, dtype):
+            out = (x.repeat(min(n, 2)) * scale).to(dtype)  # wrong for n > 2
+            return out, None
+
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", "keyed"),
+            lambda x, n, scale, dtype: (x.repeat(n) * scale).to(dtype),
+            mutates_args=(),
+            schema="(Tensor x, int n, float scale, ScalarType dtype) -> Tensor",
+        )
+        op.register_fake(fake)
+        op.register_vjp(fwd, lambda r, g: (None, None, None, None))
+        x = torch.randn(3, requires_grad=True)
+        for n in (1, 2, 1, 2):
+            self.assertEqual(op(x, n, 0.5, torch.float64).shape, (3 * n,))
+        self.assertEqual(fake_runs, [1, 2])
+        op(x, 2, 0.25, torch.float64)  # another value: another key
+        self.assertEqual(fake_runs, [1, 2, 2])
+        with self.assertRaisesRegex(TypeError, r"fwd returned Tensor\(shape=\[6\].* the op returns Tensor\(shape=\[9\]"):
+            op(x, 3, 0.5, torch.float64)
+        # A new fwd (this one ignores dtype) is checked anew, on a key checked before.
+        op.register_vjp(lambda x, n, scale, dtype: (x.repeat(n) * scale, None), lambda r, g: (None,) * 4)
+        with self.assertRaisesRegex(TypeError, r"dtype=torch.float32.* dtype=torch.float64"):
+            op(x, 1, 0.5, torch.float64)
+
     def test_compiled_with_backward_takes_new_values_and_runs_no_python(self):
         # Residuals are values of the compiled forward graph, not constants of the trace.
         torch._dynamo.reset()

@@ -188,6 +188,7 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
             f"register_autograd; an op takes one of register_autograd and register_vjp."
         )
     op._ab.vjp_bwd_takes_needs_input_grad = _takes_keyword(bwd, "needs_input_grad")
+    op._ab.vjp_checked.clear()  # a new fwd is checked anew: NOTE [fwd returns what the op returns]
     if op._ab.vjp_fwd is not None:
         op._ab.vjp_fwd, op._ab.vjp_bwd = fwd, bwd  # kernels are wrapped already
         _compile.refresh_cache_key(op)
