@@ -367,7 +367,9 @@ class TestRegisterVjp(TestCase):
         self.assertEqual(fake_runs, [1, 2])
         op(x, 2, 0.25, torch.float64)  # another value: another key
         self.assertEqual(fake_runs, [1, 2, 2])
-        with self.assertRaisesRegex(TypeError, r"fwd returned Tensor\(shape=\[6\].* the op returns Tensor\(shape=\[9\]"):
+        with self.assertRaisesRegex(
+            TypeError, r"fwd returned Tensor\(shape=\[6\].* the op returns Tensor\(shape=\[9\]"
+        ):
             op(x, 3, 0.5, torch.float64)
         # A new fwd (this one ignores dtype) is checked anew, on a key checked before.
         op.register_vjp(lambda x, n, scale, dtype: (x.repeat(n) * scale, None), lambda r, g: (None,) * 4)
