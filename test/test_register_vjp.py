@@ -244,6 +244,48 @@ class TestRegisterVjp(TestCase):
         with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
             y.sum().backward()
 
+    def test_retain_graph_and_freed_graph(self):
+        x, w = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        y = self.op(x, w).sum()
+        y.backward(retain_graph=True)
+        y.backward()  # the residuals are still there
+        x2, w2 = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+        plain(x2, w2).sum().backward()
+        self.assertEqual((x.grad, w.grad), (2 * x2.grad, 2 * w2.grad))
+        self.assertEqual(counts()["bwd"], 2)
+        with self.assertRaisesRegex(RuntimeError, "backward through the graph a second time"):
+            y.backward()  # freed with the graph, as save_for_backward frees
+
+    def test_calls_on_other_threads_keep_their_own_residuals(self):
+        # Residuals belong to the call (a thread-local request, the node's own
+        # ctx): threads differentiating the op at once, at different shapes and
+        # vmap nestings, each get their own gradients.
+        import threading
+
+        results: dict[int, bool] = {}
+
+        def work(i: int) -> None:
+            torch.manual_seed(i)
+            for _ in range(20):
+                xs, w = torch.randn(i + 2, 5), torch.randn(5)
+                if i % 2:
+                    got = vmap(grad(lambda w, x: self.op(x, w).sum()), in_dims=(None, 0))(w, xs)
+                    want = vmap(grad(lambda w, x: plain(x, w).sum()), in_dims=(None, 0))(w, xs)
+                else:
+                    got = grad(lambda x: self.op(x, w).sum())(xs)
+                    want = grad(lambda x: plain(x, w).sum())(xs)
+                if not torch.allclose(got, want):
+                    results[i] = False
+                    return
+            results[i] = True
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(results, {0: True, 1: True, 2: True, 3: True})
+
     def test_saved_tensors_hooks_see_the_residuals(self):
         packed = []
         x, w = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
