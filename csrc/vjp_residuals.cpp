@@ -17,7 +17,7 @@
 namespace torch_autobatch {
 namespace {
 
-// A leaf that is never a pytree container (as _vjp._ATOMS).
+// A leaf that is never a pytree container.
 bool is_atom(PyObject* v) {
   return v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
          PyComplex_CheckExact(v) || PyUnicode_CheckExact(v) || THPDtype_Check(v) ||
@@ -37,13 +37,15 @@ bool is_flat(const py::handle& tree) {
 }
 
 // `tree` (a flat tuple) with None where its tensors were; appends the
-// tensors' slots in `saved` as (index, slot) to `slots`.
+// tensors' slots in `saved` as (index, slot) to `slots`. A tensor found in
+// `shared` takes that slot; any other is appended to `saved` (and, with
+// `shared` given, sets `*computed`).
 py::tuple take_tensors(
     const py::tuple& tree,
     std::vector<py::object>& saved,
     py::list& slots,
-    const std::unordered_map<c10::TensorImpl*, size_t>* shared,
-    bool* computed) {
+    const std::unordered_map<c10::TensorImpl*, size_t>* shared = nullptr,
+    bool* computed = nullptr) {
   py::tuple rest(tree.size());
   for (size_t i = 0; i < tree.size(); ++i) {
     py::object v = tree[i];
@@ -63,7 +65,9 @@ py::tuple take_tensors(
     }
     if (!is_input) {
       saved.push_back(v);
-      *computed = *computed || shared != nullptr;
+      if (computed != nullptr) {
+        *computed = true;
+      }
     }
     slots.append(py::make_tuple(i, slot));
   }
@@ -81,9 +85,8 @@ py::object split_saved(const py::handle& inputs, const py::handle& residuals, bo
   }
   std::vector<py::object> saved;
   py::list input_slots, residual_slots;
-  bool no_flag = false;
-  py::tuple input_rest = take_tensors(
-      py::reinterpret_borrow<py::tuple>(inputs), saved, input_slots, nullptr, &no_flag);
+  py::tuple input_rest =
+      take_tensors(py::reinterpret_borrow<py::tuple>(inputs), saved, input_slots);
   // An input as this level sees it, and as fwd below the levels saw it.
   std::unordered_map<c10::TensorImpl*, size_t> below;
   for (size_t s = 0; s < saved.size(); ++s) {

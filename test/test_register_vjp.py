@@ -196,6 +196,35 @@ class TestRegisterVjp(TestCase):
                 with self.subTest(path=path, transform=name):
                     self.assertEqual(value, want.get(name, hess))
 
+    def test_forward_mode_takes_register_jvp_or_derives_it(self):
+        # register_vjp governs reverse mode only: a registered jvp (3x here)
+        # governs forward mode on every path; without one, forward mode is
+        # derived from the function (the true derivative), never from fwd/bwd.
+        x, w, xs, t = self.x, self.w, torch.randn(3, 5), torch.ones(5)
+        true = 1 - torch.tanh(x) ** 2
+        derived = self.op
+        jvp_op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "with_jvp"), _fn, mutates_args=())
+        jvp_op.register_vjp(_fwd, _bwd)
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_forward(*inputs)
+
+        def jvp_rule(ctx, tx, tw):
+            x, w = ctx.saved_tensors
+            return 3 * tx * w * (1 - torch.tanh(x) ** 2) + (0 if tw is None else tw * torch.tanh(x))
+
+        jvp_op.register_jvp(jvp_rule, setup_context=setup)
+        for op, scale in ((derived, 1), (jvp_op, 3)):
+            with self.subTest(scale=scale):
+                self.assertEqual(torch.func.jvp(lambda x: op(x, w), (x,), (t,))[1], scale * true * w)
+                self.assertEqual(
+                    vmap(lambda x: torch.func.jvp(lambda x: op(x, w), (x,), (t,))[1])(xs),
+                    scale * (1 - torch.tanh(xs) ** 2) * w,
+                )
+                self.assertEqual(torch.func.jacfwd(lambda x: op(x, w))(x), torch.diag(scale * true * w))
+                # reverse mode stays bwd's (2x)
+                self.assertEqual(grad(lambda x: op(x, w).sum())(x), 2 * true * w)
+
     def test_first_derivatives_do_not_run_fwd_again(self):
         # Only a differentiated backward runs fwd a second time; torch.func's
         # own backward of a level runs with grad mode on, but keeps no graph.
