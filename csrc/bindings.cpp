@@ -52,27 +52,13 @@ PYBIND11_MODULE(_C, m) {
           "Whether the op has a registered vjp (register_vjp).")
       // NOTE [Residuals of register_vjp]
       .def(
-          "take_residual_request",
-          [](tab::Registration& r) {
-            bool took = false;
-            for (auto* q = tab::t_residual_request; q != nullptr; q = q->prev) {
-              if (q->op == r.state.get() && !q->taken) {
-                q->taken = took = true;
-              }
-            }
-            return took;
+          "answer_residual_request",
+          [](tab::Registration& r, py::handle fwd, const py::tuple& args, const py::dict& kwargs) {
+            return tab::answer_residual_request(*r.state, fwd, args, kwargs);
           },
-          "Takes this thread's open requests for the op's residuals: run fwd.")
-      .def(
-          "deliver_residuals",
-          [](tab::Registration& r, py::object residuals) {
-            for (auto* q = tab::t_residual_request; q != nullptr; q = q->prev) {
-              if (q->op == r.state.get() && q->taken && !q->residuals) {
-                q->residuals = tab::PyRef(residuals);
-              }
-            }
-          },
-          "Answers the taken requests with fwd's residuals.")
+          py::arg("fwd"), py::arg("args"), py::arg("kwargs"),
+          "Runs fwd for this thread's open requests for the op's residuals and answers them: "
+          "(output,), or None where none is open.")
       .def(
           "current_residuals",
           [](tab::Registration& r) -> py::object {
@@ -84,6 +70,26 @@ PYBIND11_MODULE(_C, m) {
             return py::none();
           },
           "The residuals of the innermost answered request for the op, or None.")
+      // NOTE [fwd returns what the op returns] (torch_autobatch/_vjp_check.py)
+      .def(
+          "run_fwd",
+          [](tab::Registration& r, py::handle fwd, const py::tuple& args, const py::dict& kwargs,
+             bool check) { return tab::run_vjp_fwd(*r.state, fwd, args, kwargs, check); },
+          py::arg("fwd"), py::arg("args"), py::arg("kwargs"), py::arg("check"),
+          "register_vjp's fwd(*args, **kwargs): its (output, residuals), verified.")
+      .def(
+          "mark_fwd_checked",
+          [](tab::Registration& r, const py::bytes& key, size_t capacity) {
+            if (r.state->vjp_checked.size() >= capacity) {
+              r.state->vjp_checked.clear(); // a full cache starts again
+            }
+            r.state->vjp_checked.insert(std::string(key));
+          },
+          py::arg("key"), py::arg("capacity"),
+          "Records fwd's output as checked for arguments of this _vjp_metadata_key.")
+      .def(
+          "forget_fwd_checks", [](tab::Registration& r) { r.state->vjp_checked.clear(); },
+          "fwd's output is checked anew (a new fwd or fake kernel).")
       .def(
           "destroy", [](tab::Registration& r) { r.state->deregister(); },
           "Deregisters the kernels now (idempotent).")

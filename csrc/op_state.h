@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace torch_autobatch {
@@ -43,6 +44,10 @@ struct OpState {
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
   std::atomic<bool> has_vjp{false}; // register_vjp was called: NOTE [Residuals of register_vjp]
+  // The keys (_C._vjp_metadata_key) of the arguments for which fwd's output
+  // was checked: NOTE [fwd returns what the op returns] (_vjp_check.py).
+  // Requires the GIL.
+  std::unordered_set<std::string> vjp_checked;
   // Its function needs an AD level to decompose some CompositeImplicit op:
   // NOTE [Decompositions under an AD level] (batched_kernel.cpp).
   std::atomic<bool> decompose_under_ad{false};
@@ -115,6 +120,27 @@ struct ResidualRequest {
   bool taken = false; // the op below ran fwd for it
   PyRef residuals; // what fwd returned as residuals, once taken
 };
+
+// register_vjp's fwd(*args, **kwargs) for the op: its (output, residuals),
+// verified (NOTE [fwd returns what the op returns], _vjp_check.py): C++
+// checks the structure and, with `check`, finds the arguments' key in
+// state.vjp_checked; anything else is the op's _verify_vjp_fwd's to check
+// (or reject). Requires the GIL (vjp_residuals.cpp).
+py::object run_vjp_fwd(
+    const OpState& state,
+    py::handle fwd,
+    const py::tuple& args,
+    const py::dict& kwargs,
+    bool check);
+// The backend kernel's side of NOTE [Residuals of register_vjp]: where this
+// thread has open requests for the op's residuals, takes them, runs fwd
+// (run_vjp_fwd), answers them with its residuals and returns (output,);
+// else None (the op's function runs). Requires the GIL.
+py::object answer_residual_request(
+    const OpState& state,
+    py::handle fwd,
+    const py::tuple& args,
+    const py::dict& kwargs);
 
 class SentDownFromAD {
  public:

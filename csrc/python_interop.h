@@ -74,6 +74,7 @@ struct PyNames {
   PyObject* dissolves_in_trace; // vmap under a graph trace: NOTE [A trace keeps the op]
   PyObject* backward_fn_name; // for error messages
   PyObject* jvp_fn_name;
+  PyObject* verify_vjp_fwd; // register_vjp: fwd's result where C++ could not verify it
   // torch's CustomOpDef attribute: device type -> backend function.
   PyObject* backend_fns;
   // BackwardContext attributes (what FunctionCtx's methods record).

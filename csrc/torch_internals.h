@@ -1,11 +1,12 @@
-// The torch internals the tracer (trace_*.cpp) relies on that are not public or
-// stable C++ API: the RecordFunction thread-local callbacks, the engine's
-// current node and graph task, sequence numbers, AccumulateGrad, the hook
-// lists of autograd nodes, c10's untyped list. This is the one place to fix
-// when a torch release moves or changes them (as of torch 2.13 to 2.15: NOTE
-// [Supported torch window], torch_autobatch/_version.py); the tracer .cpp files
-// reach them only through the names below. (functorch's internals have their
-// own wrapper: functorch.h.)
+// The torch internals the tracer (trace_*.cpp) and register_vjp's backward
+// (vjp_residuals.cpp) rely on that are not public or stable C++ API: the
+// RecordFunction thread-local callbacks, the engine's current node and graph
+// task, sequence numbers, AccumulateGrad, the hook lists of autograd nodes,
+// c10's untyped list. This is the one place to fix when a torch release
+// moves or changes them (as of torch 2.13 to 2.15: NOTE [Supported torch
+// window], torch_autobatch/_version.py); those .cpp files reach them only
+// through the names below. (functorch's internals have their own wrapper:
+// functorch.h.)
 #pragma once
 
 #include <ATen/SequenceNumber.h>
@@ -42,6 +43,12 @@ inline c10::intrusive_ptr<Node> current_node() {
 // The id of the backward call (graph task) running on this thread; -1: none.
 inline int64_t current_graph_task_id() {
   return torch::autograd::get_current_graph_task_id();
+}
+
+// Does the backward call running on this thread keep its graph
+// (retain_graph)? True where none runs.
+inline bool current_graph_task_keeps_graph() {
+  return torch::autograd::get_current_graph_task_keep_graph();
 }
 
 // The sequence_nr the next node made on this thread will get.

@@ -1,18 +1,26 @@
 // register_vjp's per-call bookkeeping in C++ (its Python half:
 // torch_autobatch/_vjp.py, _vjp_check.py): which tensors a call's node saves,
-// whether its backward must rerun fwd, and the key of fwd's output check. Each
-// runs on every differentiated call, where Python loops over tensors cost more
-// than the op's own work at small batch sizes.
+// the residuals its backward hands bwd or whether it must rerun fwd, and the
+// key of fwd's output check. Each runs on every differentiated call, where
+// Python loops over tensors cost more than the op's own work at small batch
+// sizes.
+// functorch.h first: its ATen/functorch headers are ambiguous (isBatchedTensor)
+// after ATen/LegacyBatchedTensorImpl.h, which torch_internals.h brings in.
 #include "functorch.h"
+
 #include "grad_node.h"
+#include "torch_internals.h"
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <c10/util/SmallVector.h>
+
+#include <cstdint>
 #include <string>
-#include <unordered_map>
+#include <utility>
 
 namespace torch_autobatch {
 namespace {
@@ -36,31 +44,70 @@ bool is_flat(const py::handle& tree) {
   return true;
 }
 
-// `tree` (a flat tuple) with None where its tensors were; appends the
-// tensors' slots in `saved` as (index, slot) to `slots`. A tensor found in
-// `shared` takes that slot; any other is appended to `saved` (and, with
-// `shared` given, sets `*computed`).
-py::tuple take_tensors(
-    const py::tuple& tree,
-    std::vector<py::object>& saved,
-    py::list& slots,
-    const std::unordered_map<c10::TensorImpl*, size_t>* shared = nullptr,
+// A pytree of a call's, its tensors saved with the node: the leaves with
+// None where a tensor was, and each tensor's (leaf index, saved slot).
+struct SavedTree {
+  py::object spec = py::none(); // None: a flat tuple, the leaves themselves
+  py::tuple leaves;
+  c10::SmallVector<std::pair<uint32_t, uint32_t>, 4> slots;
+
+  // The tree again, its tensors taken from `saved` (what the node saved).
+  py::object rebuild(const py::tuple& saved) const {
+    const Py_ssize_t n = PyTuple_GET_SIZE(leaves.ptr());
+    py::tuple values = py::reinterpret_steal<py::tuple>(PyTuple_New(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* v = PyTuple_GET_ITEM(leaves.ptr(), i);
+      Py_INCREF(v);
+      PyTuple_SET_ITEM(values.ptr(), i, v);
+    }
+    for (const auto& [leaf, slot] : slots) {
+      PyObject* t = PyTuple_GET_ITEM(saved.ptr(), slot);
+      Py_INCREF(t);
+      PyObject* old = PyTuple_GET_ITEM(values.ptr(), leaf);
+      PyTuple_SET_ITEM(values.ptr(), leaf, t);
+      Py_DECREF(old);
+    }
+    if (spec.is_none()) {
+      return std::move(values);
+    }
+    return py::module_::import("torch.utils._pytree")
+        .attr("tree_unflatten")(py::list(values), spec);
+  }
+};
+
+// A tensor's TensorImpl and the slot it was saved in.
+using SlotOf = c10::SmallVector<std::pair<const c10::TensorImpl*, uint32_t>, 8>;
+
+// Fills `tree` from `leaves`, a tuple of pytree leaves: a tensor found in
+// `shared` takes that slot; any other is appended to `saved` (borrowed from
+// `leaves`; and, with `shared` given, sets `*computed`).
+void take_tensors(
+    const py::tuple& leaves,
+    SavedTree& tree,
+    c10::SmallVector<PyObject*, 8>& saved,
+    const SlotOf* shared = nullptr,
     bool* computed = nullptr) {
-  py::tuple rest(tree.size());
-  for (size_t i = 0; i < tree.size(); ++i) {
-    py::object v = tree[i];
-    if (!THPVariable_Check(v.ptr())) {
-      rest[i] = v;
+  const Py_ssize_t n = PyTuple_GET_SIZE(leaves.ptr());
+  tree.leaves = py::reinterpret_steal<py::tuple>(PyTuple_New(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = PyTuple_GET_ITEM(leaves.ptr(), i);
+    const bool tensor = THPVariable_Check(v);
+    PyObject* leaf = tensor ? Py_None : v;
+    Py_INCREF(leaf);
+    PyTuple_SET_ITEM(tree.leaves.ptr(), i, leaf);
+    if (!tensor) {
       continue;
     }
-    rest[i] = py::none();
-    size_t slot = saved.size();
+    auto slot = static_cast<uint32_t>(saved.size());
     bool is_input = false;
     if (shared != nullptr) {
-      auto found = shared->find(THPVariable_Unpack(v.ptr()).unsafeGetTensorImpl());
-      if (found != shared->end()) {
-        slot = found->second;
-        is_input = true;
+      const c10::TensorImpl* impl = THPVariable_Unpack(v).unsafeGetTensorImpl();
+      for (const auto& [input, input_slot] : *shared) {
+        if (input == impl) {
+          slot = input_slot;
+          is_input = true;
+          break;
+        }
       }
     }
     if (!is_input) {
@@ -69,61 +116,98 @@ py::tuple take_tensors(
         *computed = true;
       }
     }
-    slots.append(py::make_tuple(i, slot));
+    tree.slots.emplace_back(static_cast<uint32_t>(i), slot);
   }
-  return rest;
 }
 
-// NOTE [Residuals of register_vjp]: the tensors a node saves for one call,
-// the tensor inputs (for a backward that reruns fwd) and fwd's residuals, a
-// residual that is an input (fwd saw it below the levels) sharing the
-// input's slot. `leaves`: both are tuples of pytree leaves already; else None
-// unless both are flat tuples (Python flattens them and calls again).
-py::object split_saved(const py::handle& inputs, const py::handle& residuals, bool leaves) {
-  if (!leaves && (!is_flat(inputs) || !is_flat(residuals))) {
-    return py::none();
-  }
-  std::vector<py::object> saved;
-  py::list input_slots, residual_slots;
-  py::tuple input_rest =
-      take_tensors(py::reinterpret_borrow<py::tuple>(inputs), saved, input_slots);
-  // An input as this level sees it, and as fwd below the levels saw it.
-  std::unordered_map<c10::TensorImpl*, size_t> below;
-  for (size_t s = 0; s < saved.size(); ++s) {
-    const at::Tensor& t = THPVariable_Unpack(saved[s].ptr());
-    below.emplace(t.unsafeGetTensorImpl(), s);
-    below.emplace(functorch::below_grad_levels(t).unsafeGetTensorImpl(), s);
-  }
-  bool computed = false;
-  py::tuple residual_rest = take_tensors(
-      py::reinterpret_borrow<py::tuple>(residuals), saved, residual_slots, &below, &computed);
-  // Could a differentiation other than the innermost AD level differentiate
-  // the backward (NOTE [Second derivatives through residuals])? Only with a
-  // second AD level, or with an input that requires grad at the base.
-  bool outer = functorch::num_ad_levels() > 1;
-  for (size_t s = 0; s < input_slots.size() && !outer; ++s) {
-    outer = functorch::innermost(THPVariable_Unpack(saved[s].ptr())).requires_grad();
-  }
-  py::tuple saved_tuple(saved.size());
-  for (size_t s = 0; s < saved.size(); ++s) {
-    saved_tuple[s] = saved[s];
-  }
-  return py::make_tuple(
-      saved_tuple, input_rest, input_slots, residual_rest, residual_slots, computed, outer);
-}
-
-// NOTE [Second derivatives through residuals]: does a differentiation track
-// one of the saved inputs (`slots` of `saved`) of the node whose backward runs?
-bool inputs_tracked(const py::tuple& saved, const py::list& slots, bool keep_graph) {
-  const int64_t level = backward_level();
-  for (const auto& entry : slots) {
-    py::object t = saved[py::reinterpret_borrow<py::tuple>(entry)[1].cast<size_t>()];
-    if (functorch::tracked_beyond_node(THPVariable_Unpack(t.ptr()), level, keep_graph)) {
-      return true;
+// NOTE [Residuals of register_vjp]: one differentiated call, as its node
+// saved it: the tensor inputs (for a backward that reruns fwd) and fwd's
+// residuals, a residual that is an input (fwd saw it below the levels)
+// sharing the input's slot. Made by setup_context, held by the call's ctx:
+// nothing on it outlives or is shared beyond the call.
+class VjpCall {
+ public:
+  // (the tensors to save, the call): setup_context saves the first with the
+  // node and keeps the second on ctx.
+  static py::tuple save(const py::tuple& inputs, const py::object& residuals) {
+    VjpCall call;
+    py::tuple input_leaves = inputs, residual_leaves;
+    if (is_flat(inputs) && is_flat(residuals)) {
+      residual_leaves = py::reinterpret_borrow<py::tuple>(residuals);
+    } else { // their pytree leaves
+      py::object flatten = py::module_::import("torch.utils._pytree").attr("tree_flatten");
+      py::tuple in = flatten(inputs), res = flatten(residuals);
+      input_leaves = py::tuple(in[0]);
+      call.inputs_.spec = in[1];
+      residual_leaves = py::tuple(res[0]);
+      call.residuals_.spec = res[1];
     }
+    c10::SmallVector<PyObject*, 8> saved; // borrowed from the leaves
+    take_tensors(input_leaves, call.inputs_, saved);
+    // An input as this level sees it, and as fwd below the levels saw it.
+    SlotOf below;
+    for (size_t s = 0; s < saved.size(); ++s) {
+      const at::Tensor& t = THPVariable_Unpack(saved[s]);
+      below.emplace_back(t.unsafeGetTensorImpl(), static_cast<uint32_t>(s));
+      below.emplace_back(
+          functorch::below_grad_levels(t).unsafeGetTensorImpl(), static_cast<uint32_t>(s));
+    }
+    const size_t num_inputs = saved.size();
+    take_tensors(residual_leaves, call.residuals_, saved, &below, &call.computed_);
+    // Could a differentiation other than the innermost AD level differentiate
+    // the backward (NOTE [Second derivatives through residuals])? Only with a
+    // second AD level, or with an input that requires grad at the base.
+    call.outer_ = functorch::num_ad_levels() > 1;
+    for (size_t s = 0; s < num_inputs && !call.outer_; ++s) {
+      call.outer_ = functorch::innermost(THPVariable_Unpack(saved[s])).requires_grad();
+    }
+    PyObject* saved_tuple = PyTuple_New(static_cast<Py_ssize_t>(saved.size()));
+    if (saved_tuple == nullptr) {
+      throw py::error_already_set();
+    }
+    for (size_t s = 0; s < saved.size(); ++s) {
+      Py_INCREF(saved[s]);
+      PyTuple_SET_ITEM(saved_tuple, static_cast<Py_ssize_t>(s), saved[s]);
+    }
+    return py::make_tuple(
+        py::reinterpret_steal<py::object>(saved_tuple), py::cast(std::move(call)));
   }
-  return false;
-}
+
+  // In the call's backward, given what the node saved: the residuals for
+  // bwd, or None where fwd must run again, recorded, on `inputs(saved)`:
+  // grad mode is on and a differentiation that can differentiate this
+  // backward tracks an input (NOTE [Second derivatives through residuals]).
+  py::object residuals(const py::tuple& saved) const {
+    if (computed_ && at::GradMode::is_enabled()) {
+      // Without a second AD level, only the node's own level can, keeping the graph.
+      const bool keep_graph = internals::current_graph_task_keeps_graph();
+      if ((outer_ || keep_graph) && inputs_tracked(saved, keep_graph)) {
+        return py::none();
+      }
+    }
+    return residuals_.rebuild(saved);
+  }
+  // The op's inputs (setup_context's `inputs`), given what the node saved.
+  py::object inputs(const py::tuple& saved) const {
+    return inputs_.rebuild(saved);
+  }
+
+ private:
+  bool inputs_tracked(const py::tuple& saved, bool keep_graph) const {
+    const int64_t level = backward_level();
+    for (const auto& entry : inputs_.slots) {
+      const at::Tensor& t = THPVariable_Unpack(PyTuple_GET_ITEM(saved.ptr(), entry.second));
+      if (functorch::tracked_beyond_node(t, level, keep_graph)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  SavedTree inputs_, residuals_;
+  bool computed_ = false; // a residual tensor is not an input
+  bool outer_ = false; // a differentiation besides the innermost AD level tracks an input
+};
 
 // Appends `v`'s encoding to `key`; false if it has none (a symbolic size,
 // a value of another type).
@@ -216,20 +300,80 @@ py::object metadata_key(const py::tuple& args) {
 
 } // namespace
 
+py::object run_vjp_fwd(
+    const OpState& state,
+    py::handle fwd,
+    const py::tuple& args,
+    const py::dict& kwargs,
+    bool check) {
+  py::object result = py::reinterpret_steal<py::object>(
+      PyObject_Call(fwd.ptr(), args.ptr(), kwargs.empty() ? nullptr : kwargs.ptr()));
+  if (!result) {
+    throw py::error_already_set();
+  }
+  // (output, residuals), one output per return.
+  const size_t num_returns = state.return_aliases.size();
+  bool verified = PyTuple_Check(result.ptr()) && PyTuple_GET_SIZE(result.ptr()) == 2;
+  if (verified && num_returns != 1) {
+    PyObject* out = PyTuple_GET_ITEM(result.ptr(), 0);
+    verified = PyTuple_Check(out) && static_cast<size_t>(PyTuple_GET_SIZE(out)) == num_returns;
+  }
+  if (verified && check) {
+    std::string key;
+    key.reserve(64 * (args.size() + kwargs.size()));
+    for (const auto& v : args) {
+      verified = verified && encode(v.ptr(), key);
+    }
+    for (const auto& item : kwargs) {
+      verified = verified && encode(item.second.ptr(), key);
+    }
+    verified = verified && state.vjp_checked.count(key) > 0;
+  }
+  if (!verified) {
+    call_method(state.opdef(), py_names().verify_vjp_fwd, {args, kwargs, result, py::bool_(check)});
+  }
+  return result;
+}
+
+py::object answer_residual_request(
+    const OpState& state,
+    py::handle fwd,
+    const py::tuple& args,
+    const py::dict& kwargs) {
+  bool took = false;
+  for (auto* q = t_residual_request; q != nullptr; q = q->prev) {
+    if (q->op == &state && !q->taken) {
+      q->taken = took = true;
+    }
+  }
+  if (!took) {
+    return py::none();
+  }
+  py::object result = run_vjp_fwd(state, fwd, args, kwargs, /*check=*/true);
+  py::handle residuals = PyTuple_GET_ITEM(result.ptr(), 1);
+  for (auto* q = t_residual_request; q != nullptr; q = q->prev) {
+    if (q->op == &state && q->taken && !q->residuals) {
+      q->residuals = PyRef(py::reinterpret_borrow<py::object>(residuals));
+    }
+  }
+  return py::make_tuple(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(result.ptr(), 0)));
+}
+
 void bind_vjp_residuals(py::module_& m) {
   m.def(
       "_vjp_metadata_key", &metadata_key,
       "register_vjp: a bytes key of the arguments' tensor metadata and values, or None.");
+  py::class_<VjpCall>(m, "_VjpCall")
+      .def(
+          "residuals", &VjpCall::residuals, py::arg("saved"),
+          "In the backward: the residuals for bwd, or None where fwd must run again on "
+          "inputs(saved).")
+      .def(
+          "inputs", &VjpCall::inputs, py::arg("saved"),
+          "The op's inputs, given what the node saved.");
   m.def(
-      "_vjp_split_saved", &split_saved,
-      "register_vjp: (saved, input leaves, input slots, residual leaves, residual slots, computed, "
-      "outer) "
-      "for tuples of inputs and residuals that are flat (or pytree leaves), else None.",
-      py::arg("inputs"), py::arg("residuals"), py::arg("leaves"));
-  m.def(
-      "_vjp_inputs_tracked", &inputs_tracked,
-      "register_vjp: is a saved input of the node whose backward runs tracked by a "
-      "differentiation of that backward?");
+      "_vjp_save", &VjpCall::save, py::arg("inputs"), py::arg("residuals"),
+      "register_vjp's setup_context: (the tensors to save, the call's _VjpCall).");
 }
 
 } // namespace torch_autobatch

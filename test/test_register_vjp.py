@@ -447,6 +447,22 @@ class TestRegisterVjp(TestCase):
         with self.assertRaisesRegex(TypeError, r"dtype=torch.float32.* dtype=torch.float64"):
             op(x, 1, 0.5, torch.float64)
 
+    def test_a_new_fake_kernel_checks_fwd_anew(self):
+        # NOTE [fwd returns what the op returns]: the checked keys hold for the
+        # fake kernel they were checked against; register_fake (as a method,
+        # or torch.library.register_fake by name) clears them.
+        op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "refaked"), _fn, mutates_args=())
+        op.register_vjp(_fwd, _bwd)
+        x = self.x.clone().requires_grad_()
+        for _ in range(2):
+            op(x, self.w).sum().backward()  # checked against the function, then cached
+        for register in (op.register_fake, lambda f: torch.library.register_fake(op._qualname, f)):
+            register(lambda x, w: torch.empty_like(x, dtype=torch.float64))
+            with self.subTest(register=register), self.assertRaisesRegex(TypeError, r"dtype=torch.float64"):
+                op(x, self.w)
+            op.register_fake(lambda x, w: torch.empty_like(x))
+            op(x, self.w).sum().backward()
+
     def test_compiled_with_backward_takes_new_values_and_runs_no_python(self):
         # Residuals are values of the compiled forward graph, not constants of the trace.
         torch._dynamo.reset()

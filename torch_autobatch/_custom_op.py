@@ -31,7 +31,7 @@ from torch._library import custom_ops as _torch_custom_ops
 from torch._library import simple_registry
 from torch._library import utils as _library_utils
 
-from . import _C, _compile, _vjp
+from . import _C, _compile, _vjp, _vjp_check
 from ._kernel_side import KernelSide, OpExtras, takes_keyword_only_inputs
 from ._schema import schema_of
 
@@ -344,6 +344,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
             raise TypeError(f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}.")
         super().register_fake(fn)
         self._set_fake_source(_user_source())
+        _vjp_check.forget_checks(self)  # fwd's output is checked against the new fake kernel
         _compile.refresh_cache_key(self)
         return fn
 

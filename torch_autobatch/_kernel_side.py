@@ -19,7 +19,7 @@ from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import utils as _library_utils
 
-from . import _compile, _forward_mode
+from . import _compile, _forward_mode, _vjp
 from ._autograd import BackwardContext
 
 if TYPE_CHECKING:
@@ -220,6 +220,10 @@ class KernelSide:
         if kwarg_only and self._ab.positional_grads_ok and len(result) == len(ctx.needs_input_grad) - len(kwarg_only):
             result += (None,) * len(kwarg_only)
         return result
+
+    def _verify_vjp_fwd(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, check: bool) -> None:
+        """Raises if register_vjp's fwd returned what the op does not (C++ could not tell: ``_vjp.verify``)."""
+        _vjp.verify(self, args, kwargs, result, check)  # type: ignore[arg-type]  # a CustomOpDef here
 
     @property
     def _backward_fn_name(self) -> str:

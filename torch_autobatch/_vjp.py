@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import _C, _compile
-from ._vjp_check import check_fwd_output, fwd_name
+from ._vjp_check import check_fwd_output, forget_checks, fwd_name
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
@@ -53,17 +53,22 @@ __all__ = ["register", "wrap_kernel"]
 
 def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, check: bool = True) -> tuple[Any, Any]:
     """``fwd(*args, **kwargs)``, checked (NOTE [fwd returns what the op returns]): the op's output and the residuals."""
-    ab = op._ab
-    assert ab.vjp_fwd is not None
-    result = ab.vjp_fwd(*args, **kwargs)
+    # C++ (Registration.run_fwd) calls fwd and verifies its result's
+    # structure and, for arguments whose output was checked before, its
+    # output; anything else it hands to ``verify``.
+    return op._ab.registration.run_fwd(op._ab.vjp_fwd, args, kwargs, check)
+
+
+def verify(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, check: bool) -> None:
+    """Raises if ``result`` (fwd's) is not (output, residuals) with the op's output (with ``check``: its metadata)."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(
             f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) must return "
             f"(output, residuals), a tuple of two; it returned {type(result).__name__}"
             f"{'' if not isinstance(result, tuple) else f' of {len(result)}'}."
         )
-    out, residuals = result
-    n = ab.num_returns
+    out = result[0]
+    n = op._ab.num_returns
     outs = (out,) if n == 1 else out
     if not isinstance(outs, tuple) or len(outs) != n:
         raise TypeError(
@@ -73,7 +78,6 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
         )
     if check:
         check_fwd_output(op, args, kwargs, outs)
-    return out, residuals
 
 
 def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -81,12 +85,9 @@ def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
     ab = op._ab
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        reg = ab.registration
-        if ab.vjp_fwd is None or reg is None or not reg.take_residual_request():
-            return fn(*args, **kwargs)
-        out, residuals = run_fwd(op, args, kwargs)
-        reg.deliver_residuals(residuals)
-        return out
+        # NOTE [Residuals of register_vjp]: (output,) when fwd ran for a request.
+        answered = ab.registration.answer_residual_request(ab.vjp_fwd, args, kwargs)
+        return fn(*args, **kwargs) if answered is None else answered[0]
 
     kernel.__qualname__ = getattr(fn, "__qualname__", "kernel")
     kernel.__name__ = getattr(fn, "__name__", "kernel")
@@ -105,58 +106,22 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
         # The tensor inputs are saved too, for a backward that is itself
         # differentiated (NOTE [Second derivatives through residuals]); a
         # residual that is an input (fwd saw it below the levels) shares the
-        # input's slot, so it is saved once and keeps its history.
-        input_spec: Optional[pytree.TreeSpec] = None
-        spec: Optional[pytree.TreeSpec] = None
-        split = _C._vjp_split_saved(inputs, residuals, False)
-        if split is None:  # not flat tuples: their pytree leaves
-            flat_inputs, input_spec = pytree.tree_flatten(inputs)
-            flat_residuals, spec = pytree.tree_flatten(residuals)
-            split = _C._vjp_split_saved(tuple(flat_inputs), tuple(flat_residuals), True)  # leaves
-            assert split is not None
-        saved, input_leaves, input_slots, leaves, residual_slots, computed, outer = split
-        ctx.save_for_backward(*saved)
-        # The node's own, per call: what the backward rebuilds, and whether
-        # it may have to rerun fwd (NOTE [Second derivatives through residuals]):
-        # a residual tensor is not an input; a differentiation besides the
-        # innermost AD level tracks an input.
-        ctx.vjp_residuals = _Flat(spec, leaves, residual_slots)
-        ctx.vjp_inputs = _Flat(input_spec, input_leaves, input_slots)
-        ctx.vjp_computed, ctx.vjp_outer = computed, outer
+        # input's slot, so it is saved once and keeps its history. ctx keeps
+        # the call's _VjpCall (how to rebuild both); setting to_save is what
+        # save_for_backward does, a frame less.
+        ctx.to_save, ctx.vjp_call = _C._vjp_save(inputs, residuals)
 
     return setup_context
-
-
-class _Flat(NamedTuple):
-    """A pytree whose tensor leaves were saved with ``save_for_backward``, and how to put them back."""
-
-    spec: Optional[pytree.TreeSpec]  # None: a flat tuple
-    leaves: tuple[Any, ...]  # the leaves, None where a tensor was
-    slots: list[tuple[int, int]]  # (leaf index, index in ctx.saved_tensors) of each tensor
-
-    def rebuild(self, saved: tuple[torch.Tensor, ...]) -> Any:
-        values = list(self.leaves)
-        for i, slot in self.slots:
-            values[i] = saved[slot]
-        return tuple(values) if self.spec is None else pytree.tree_unflatten(values, self.spec)
-
-
-def _inputs_tracked(ctx: Any, saved: tuple[torch.Tensor, ...]) -> bool:
-    """Can a differentiation of the saved inputs differentiate this backward (NOTE [Second derivatives through residuals])?"""
-    keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
-    # Without a second AD level, only the node's own level can, keeping the graph.
-    return (ctx.vjp_outer or keep_graph) and _C._vjp_inputs_tracked(saved, ctx.vjp_inputs.slots, keep_graph)
 
 
 def _backward(op: CustomOpDef) -> Callable[..., Any]:
     ab = op._ab
 
     def backward(ctx: Any, *grads: Any) -> Any:
-        saved = ctx.saved_tensors
-        if ctx.vjp_computed and torch.is_grad_enabled() and _inputs_tracked(ctx, saved):
-            residuals = _residuals_with_history(op, ctx.vjp_inputs.rebuild(saved))
-        else:
-            residuals = ctx.vjp_residuals.rebuild(saved)
+        saved, call = ctx.saved_tensors, ctx.vjp_call
+        residuals = call.residuals(saved)
+        if residuals is None:  # NOTE [Second derivatives through residuals]
+            residuals = _residuals_with_history(op, call.inputs(saved))
         assert ab.vjp_bwd is not None
         if ab.vjp_bwd_takes_needs_input_grad:
             return ab.vjp_bwd(residuals, *grads, needs_input_grad=ctx.needs_input_grad)
@@ -188,7 +153,7 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
             f"register_autograd; an op takes one of register_autograd and register_vjp."
         )
     op._ab.vjp_bwd_takes_needs_input_grad = _takes_keyword(bwd, "needs_input_grad")
-    op._ab.vjp_checked.clear()  # a new fwd is checked anew: NOTE [fwd returns what the op returns]
+    forget_checks(op)  # a new fwd is checked anew
     if op._ab.vjp_fwd is not None:
         op._ab.vjp_fwd, op._ab.vjp_bwd = fwd, bwd  # kernels are wrapped already
         _compile.refresh_cache_key(op)

@@ -15,8 +15,11 @@ cannot, as a fake kernel that asks torch.library.get_ctx() for a dynamic size,
 on fake copies in a FakeTensorMode of its own: the first one a process makes
 costs ~1 s). It runs, and fwd's output is compared, once per input metadata
 and values (the key, built in C++: ``_C._vjp_metadata_key``); the op caches
-the key as checked (a fact about the key: no per-call state), so a later call
-pays for the key alone (< 1 us). fwd's output metadata is taken to be a
+the key as checked (a fact about the key: no per-call state) in its C++
+state, where the call of fwd looks it up (``Registration.run_fwd``: a later
+call pays ~0.1 us), or, for arguments C++ has no encoding for (nested
+tensors, tensor subclasses), in a dict of Python keys. register_vjp and
+register_fake clear both (``forget_checks``). fwd's output metadata is taken to be a
 function of its inputs' metadata and values, as the fake kernel's is, as JAX
 checks a ``custom_vjp``'s fwd once per trace. An output on the meta device
 has no device to compare. Symbolic sizes (a dynamic-shape trace)
@@ -41,7 +44,7 @@ from . import _C
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
 
-__all__ = ["check_fwd_output", "fwd_name"]
+__all__ = ["check_fwd_output", "forget_checks", "fwd_name"]
 
 _CACHE_SIZE = 256  # keys per op; a full cache starts again
 _CHECKED = True  # the value of a key whose call was checked
@@ -62,20 +65,28 @@ def fwd_name(op: CustomOpDef) -> str:
 
 
 def check_fwd_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> None:
-    """Raises if ``outs`` (fwd's output, one value per return) is not what the op returns for these inputs."""
+    """Raises if ``outs`` (fwd's output, one value per return) is not what the op returns for these inputs.
+
+    Called where C++ found the arguments' key not checked yet (``_vjp.run_fwd``),
+    or had none.
+    """
     arguments = args + tuple(kwargs.values()) if kwargs else args  # kwargs: in schema order
-    cache = op._ab.vjp_checked
-    try:
-        # The fake kernel's output is a function of this key alone, whatever
-        # the tensors are: real, batched, fake with static sizes.
-        key: Any = (op._abstract_fn, _C._vjp_metadata_key(arguments) or _key(arguments))
-        if cache.get(key) is _CHECKED:
-            return
-    except TypeError:  # a symbolic size, or a value that cannot be hashed: not cached
-        key = None
+    # The fake kernel's output is a function of the key alone, whatever the
+    # tensors are: real, batched, fake with static sizes.
+    key: Any = _C._vjp_metadata_key(arguments)
+    cache = op._ab.vjp_checked  # the keys C++ has no encoding for
+    if key is None:
+        try:
+            key = _key(arguments)
+            if cache.get(key) is _CHECKED:
+                return
+        except TypeError:  # a symbolic size, or a value that cannot be hashed: not cached
+            key = None
     expected = _run_fake_kernel(op, args, kwargs)
     if expected is None or _matches(outs, expected):
-        if key is not None:
+        if type(key) is bytes:
+            op._ab.registration.mark_fwd_checked(key, _CACHE_SIZE)
+        elif key is not None:
             if len(cache) >= _CACHE_SIZE:
                 cache.clear()
             cache[key] = _CHECKED
@@ -86,6 +97,12 @@ def check_fwd_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, A
         f"returned {_describe(_meta(outs))} and the op returns {_describe(expected)} (its fake kernel: "
         f"register_fake's function, else the op's own function on meta or fake tensors). Make fwd's output match."
     )
+
+
+def forget_checks(op: CustomOpDef) -> None:
+    """fwd's output is checked anew on every key: a new fwd, or a new fake kernel."""
+    op._ab.vjp_checked.clear()
+    op._ab.registration.forget_fwd_checks()
 
 
 def _key(value: Any) -> Any:
