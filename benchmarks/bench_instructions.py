@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Instructions and simulated cache misses per call, under valgrind: plain vs torch_autobatch.
+"""Instructions and simulated cache misses per call, under valgrind: plain vs torch_autobatch (register_autograd, register_vjp).
 
 On a shared machine a timing moves 10-30% between runs; what valgrind counts
 does not. Each statement runs in one valgrind process, collection switched on
@@ -34,12 +34,12 @@ from torch.func import grad, vmap
 import bench_vmap as b
 torch.set_num_threads(1)
 X10, Y10 = torch.randn(10, 64), torch.randn(10, 64)
-X1, W = torch.randn(1, 64), torch.randn(64)
+X1, X100, W = torch.randn(1, 64), torch.randn(100, 64), torch.randn(64)
 x, y = torch.randn(64), torch.randn(64)
 xr = torch.randn(64, requires_grad=True)
 def per_sample_grad_w(op):
     return vmap(grad(lambda x, w: op(x, w).sum(), argnums=1), in_dims=(0, None))
-psgw = {v: per_sample_grad_w(b.OPS[v]) for v in ("d", "t")}
+psgw = {v: per_sample_grad_w(b.OPS[v]) for v in ("d", "t", "v")}
 def forward_backward(op):
     op(xr, y).sum().backward()
 """
@@ -48,10 +48,11 @@ def forward_backward(op):
 ROWS = [
     ("vmap(op), B=10", "vmap({op})(X10, Y10)"),
     ("vmap(grad) w.r.t. w, B=1", "psgw['{v}'](X1, W)"),
+    ("vmap(grad) w.r.t. w, B=100", "psgw['{v}'](X100, W)"),
     ("unbatched call, no grad", "{op}(x, y)"),
     ("forward + .backward()", "forward_backward({op})"),
 ]
-VARIANTS = {"plain": ("d", "b.f_plain"), "torch_autobatch": ("t", "b.f_tab")}
+VARIANTS = {"plain": ("d", "b.f_plain"), "ours": ("t", "b.f_tab"), "ours + register_vjp": ("v", "b.f_vjp")}
 EVENTS = ("Ir", "I1mr", "D1mr", "Bcm", "Bim")
 
 
@@ -114,15 +115,20 @@ def main() -> int:
         print(f"expected {len(stmts)} dumps, got {len(counts)}", file=sys.stderr)
         return 1
     shown = [e for e in EVENTS if e in counts[0]]
+    names = list(VARIANTS)
     print(f"per call, {args.calls} calls counted; gc off" + ("; simulated caches" if args.cache_sim else ""))
-    print("| row | " + " | ".join(f"plain {e} | ours {e} | extra" for e in shown) + " |")
-    print("|---|" + "---:|" * (3 * len(shown)))
+    header = [f"{name} {e}" + ("" if name == "plain" else " (vs plain)") for e in shown for name in names]
+    print("| row | " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * len(header))
     for r, (row, _) in enumerate(ROWS):
-        plain, ours = counts[2 * r], counts[2 * r + 1]
+        per_call = counts[len(names) * r : len(names) * (r + 1)]
         cells = []
         for e in shown:
-            p, o = plain[e] / args.calls, ours[e] / args.calls
-            cells += [f"{p:,.0f}", f"{o:,.0f}", f"{(o - p) / p:+.1%}"]
+            plain = per_call[0][e] / args.calls
+            cells.append(f"{plain:,.0f}")
+            for c in per_call[1:]:
+                n = c[e] / args.calls
+                cells.append(f"{n:,.0f} ({(n - plain) / plain:+.1%})")
         print(f"| {row} | " + " | ".join(cells) + " |")
     return 0
 

@@ -64,12 +64,13 @@ PYBIND11_MODULE(_C, m) {
           [](tab::Registration& r) -> py::object {
             for (auto* q = tab::t_residual_request; q != nullptr; q = q->prev) {
               if (q->op == r.state.get() && q->residuals) {
-                return py::reinterpret_borrow<py::object>(q->residuals.get());
+                return py::make_tuple(py::reinterpret_borrow<py::object>(q->residuals.get()));
               }
             }
             return py::none();
           },
-          "The residuals of the innermost answered request for the op, or None.")
+          "(residuals,) of the innermost answered request for the op, or None (residuals may "
+          "be None themselves).")
       // NOTE [fwd returns what the op returns] (torch_autobatch/_vjp_check.py)
       .def(
           "run_fwd",

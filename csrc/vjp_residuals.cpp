@@ -44,6 +44,15 @@ bool is_flat(const py::handle& tree) {
   return true;
 }
 
+// A new tuple of `n` items, each to be set.
+py::tuple new_tuple(Py_ssize_t n) {
+  PyObject* t = PyTuple_New(n);
+  if (t == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::tuple>(t);
+}
+
 // A pytree of a call's, its tensors saved with the node: the leaves with
 // None where a tensor was, and each tensor's (leaf index, saved slot).
 struct SavedTree {
@@ -54,7 +63,7 @@ struct SavedTree {
   // The tree again, its tensors taken from `saved` (what the node saved).
   py::object rebuild(const py::tuple& saved) const {
     const Py_ssize_t n = PyTuple_GET_SIZE(leaves.ptr());
-    py::tuple values = py::reinterpret_steal<py::tuple>(PyTuple_New(n));
+    py::tuple values = new_tuple(n);
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* v = PyTuple_GET_ITEM(leaves.ptr(), i);
       Py_INCREF(v);
@@ -88,7 +97,7 @@ void take_tensors(
     const SlotOf* shared = nullptr,
     bool* computed = nullptr) {
   const Py_ssize_t n = PyTuple_GET_SIZE(leaves.ptr());
-  tree.leaves = py::reinterpret_steal<py::tuple>(PyTuple_New(n));
+  tree.leaves = new_tuple(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* v = PyTuple_GET_ITEM(leaves.ptr(), i);
     const bool tensor = THPVariable_Check(v);
@@ -161,20 +170,16 @@ class VjpCall {
     for (size_t s = 0; s < num_inputs && !call.outer_; ++s) {
       call.outer_ = functorch::innermost(THPVariable_Unpack(saved[s])).requires_grad();
     }
-    PyObject* saved_tuple = PyTuple_New(static_cast<Py_ssize_t>(saved.size()));
-    if (saved_tuple == nullptr) {
-      throw py::error_already_set();
-    }
+    py::tuple saved_tuple = new_tuple(static_cast<Py_ssize_t>(saved.size()));
     for (size_t s = 0; s < saved.size(); ++s) {
       Py_INCREF(saved[s]);
-      PyTuple_SET_ITEM(saved_tuple, static_cast<Py_ssize_t>(s), saved[s]);
+      PyTuple_SET_ITEM(saved_tuple.ptr(), static_cast<Py_ssize_t>(s), saved[s]);
     }
-    return py::make_tuple(
-        py::reinterpret_steal<py::object>(saved_tuple), py::cast(std::move(call)));
+    return py::make_tuple(std::move(saved_tuple), py::cast(std::move(call)));
   }
 
-  // In the call's backward, given what the node saved: the residuals for
-  // bwd, or None where fwd must run again, recorded, on `inputs(saved)`:
+  // In the call's backward, given what the node saved: (the residuals for
+  // bwd,), or None where fwd must run again, recorded, on `inputs(saved)`:
   // grad mode is on and a differentiation that can differentiate this
   // backward tracks an input (NOTE [Second derivatives through residuals]).
   py::object residuals(const py::tuple& saved) const {
@@ -185,7 +190,7 @@ class VjpCall {
         return py::none();
       }
     }
-    return residuals_.rebuild(saved);
+    return py::make_tuple(residuals_.rebuild(saved)); // the residuals may be None
   }
   // The op's inputs (setup_context's `inputs`), given what the node saved.
   py::object inputs(const py::tuple& saved) const {
@@ -366,7 +371,7 @@ void bind_vjp_residuals(py::module_& m) {
   py::class_<VjpCall>(m, "_VjpCall")
       .def(
           "residuals", &VjpCall::residuals, py::arg("saved"),
-          "In the backward: the residuals for bwd, or None where fwd must run again on "
+          "In the backward: (the residuals for bwd,), or None where fwd must run again on "
           "inputs(saved).")
       .def(
           "inputs", &VjpCall::inputs, py::arg("saved"),

@@ -103,6 +103,37 @@ class TestRegisterVjp(TestCase):
         self.op(x, w).sum().backward()
         self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 0})  # once per input metadata
 
+    def test_fwd_without_residuals_runs_once(self):
+        # Residuals may be None (a bwd that needs nothing): they still answer
+        # the request, so setup_context does not run fwd a second time.
+        runs = []
+
+        def fwd(x):
+            runs.append(1)
+            return 3 * x, None
+
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_vjp", "no_residuals"), lambda x: 3 * x, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        op.register_vjp(fwd, lambda r, g: 6 * g)  # 2x the true derivative: bwd is what ran
+        x = torch.randn(3)
+
+        def backward() -> torch.Tensor:
+            leaf = x.clone().requires_grad_()
+            op(leaf).sum().backward()
+            return leaf.grad
+
+        paths = {
+            ".backward()": backward,
+            "grad": lambda: grad(lambda x: op(x).sum())(x),
+            "vmap(grad)": lambda: vmap(grad(lambda x: op(x).sum()))(x),
+        }
+        for path, run in paths.items():
+            with self.subTest(path=path):
+                runs.clear()
+                self.assertEqual(run(), torch.full_like(x, 6.0))
+                self.assertEqual(len(runs), 1)
+
     def test_torch_func_transforms(self):
         x, w = self.x, self.w
         for name, t in {

@@ -96,8 +96,10 @@ def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _setup_context(op: CustomOpDef) -> Callable[..., None]:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        residuals = op._ab.registration.current_residuals()
-        if residuals is None:
+        answered = op._ab.registration.current_residuals()
+        if answered is not None:
+            (residuals,) = answered
+        else:
             # The op's output came from elsewhere (a register_vmap rule, the
             # fake kernel, a kernel registered by name): fwd runs now.
             positional, kwargs = op._split_args(inputs)
@@ -119,8 +121,10 @@ def _backward(op: CustomOpDef) -> Callable[..., Any]:
 
     def backward(ctx: Any, *grads: Any) -> Any:
         saved, call = ctx.saved_tensors, ctx.vjp_call
-        residuals = call.residuals(saved)
-        if residuals is None:  # NOTE [Second derivatives through residuals]
+        rebuilt = call.residuals(saved)
+        if rebuilt is not None:
+            (residuals,) = rebuilt
+        else:  # NOTE [Second derivatives through residuals]
             residuals = _residuals_with_history(op, call.inputs(saved))
         assert ab.vjp_bwd is not None
         if ab.vjp_bwd_takes_needs_input_grad:
