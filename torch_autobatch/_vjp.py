@@ -164,7 +164,14 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
         return
     _install(op, fwd, bwd)
     for device_type, kernel in list(op._backend_fns.items()):
-        torch._library.custom_ops.CustomOpDef.register_kernel(op, device_type, wrap_kernel(op, kernel))
+        # torch's wrapper of a registered kernel is torch._disable_dynamo
+        # around the set_kernel_enabled check around the function; the kernel
+        # registered now gets the same wrapper, which governs (NOTE [Calling
+        # the composite directly], csrc/run_backend.cpp). Inside it, a second
+        # _disable_dynamo would only cost a call that runs the function (~10k
+        # instructions: every call that differentiates nothing).
+        inner = getattr(kernel, "__wrapped__", kernel)
+        torch._library.custom_ops.CustomOpDef.register_kernel(op, device_type, wrap_kernel(op, inner))
     op._ab.registration.set_has_vjp(True)
     _compile.refresh_cache_key(op)
 
