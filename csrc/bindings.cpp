@@ -79,16 +79,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("fwd"), py::arg("args"), py::arg("kwargs"), py::arg("check"),
           "register_vjp's fwd(*args, **kwargs): its (output, residuals), verified.")
       .def(
-          "mark_fwd_checked",
-          [](tab::Registration& r, const py::bytes& key, size_t capacity) {
-            if (r.state->vjp_checked.size() >= capacity) {
-              r.state->vjp_checked.clear(); // a full cache starts again
-            }
-            r.state->vjp_checked.insert(std::string(key));
-          },
-          py::arg("key"), py::arg("capacity"),
-          "Records fwd's output as checked for arguments of this _vjp_metadata_key.")
-      .def(
           "forget_fwd_checks", [](tab::Registration& r) { r.state->vjp_checked.clear(); },
           "fwd's output is checked anew (a new fwd or fake kernel).")
       .def(

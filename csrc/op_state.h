@@ -44,8 +44,8 @@ struct OpState {
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
   std::atomic<bool> has_vjp{false}; // register_vjp was called: NOTE [Residuals of register_vjp]
-  // The keys (_C._vjp_metadata_key) of the arguments for which fwd's output
-  // was checked: NOTE [fwd returns what the op returns] (_vjp_check.py).
+  // The keys (metadata_key, vjp_residuals.cpp) of the arguments for which
+  // fwd's output was checked: NOTE [fwd returns what the op returns] (_vjp_check.py).
   // Requires the GIL.
   std::unordered_set<std::string> vjp_checked;
   // Its function needs an AD level to decompose some CompositeImplicit op:
@@ -125,9 +125,10 @@ struct ResidualRequest {
 // verified (NOTE [fwd returns what the op returns], _vjp_check.py): C++
 // checks the structure and, with `check`, finds the arguments' key in
 // state.vjp_checked; anything else is the op's _verify_vjp_fwd's to check
-// (or reject). Requires the GIL (vjp_residuals.cpp).
+// (or reject), and its key is then added. Requires the GIL
+// (vjp_residuals.cpp).
 py::object run_vjp_fwd(
-    const OpState& state,
+    OpState& state,
     py::handle fwd,
     const py::tuple& args,
     const py::dict& kwargs,
@@ -137,7 +138,7 @@ py::object run_vjp_fwd(
 // (run_vjp_fwd), answers them with its residuals and returns (output,);
 // else None (the op's function runs). Requires the GIL.
 py::object answer_residual_request(
-    const OpState& state,
+    OpState& state,
     py::handle fwd,
     const py::tuple& args,
     const py::dict& kwargs);

@@ -34,7 +34,7 @@ const std::vector<PythonSideName>& python_side() {
       {"_dissolves_in_trace", 0, "op"},
       {"_backward_fn_name", -1, "op"},
       {"_jvp_fn_name", -1, "op"},
-      {"_verify_vjp_fwd", 4, "op"}, // (args, kwargs, result, check)
+      {"_verify_vjp_fwd", 5, "op"}, // (args, kwargs, result, check, keyed)
       {"_backend_fns", -1, "op"}, // torch's CustomOpDef attribute
       {"to_save", -1, "ctx"},
       {"non_differentiable", -1, "ctx"},

@@ -289,24 +289,31 @@ bool encode(PyObject* v, std::string& key) {
 }
 
 // NOTE [fwd returns what the op returns] (torch_autobatch/_vjp_check.py):
-// the key its check caches the op's output metadata under, as bytes: the
-// arguments' tensor metadata and values. None where an argument has no
-// encoding (Python builds a key of its own then).
-py::object metadata_key(const py::tuple& args) {
-  std::string key;
-  key.reserve(64 * args.size());
+// the key under which the op's checked outputs are cached: the arguments'
+// tensor metadata and values, positional then keyword (in schema order).
+// False where an argument has no encoding (Python keys the call then).
+bool metadata_key(const py::tuple& args, const py::dict& kwargs, std::string& key) {
+  key.reserve(64 * (args.size() + kwargs.size()));
   for (const auto& v : args) {
     if (!encode(v.ptr(), key)) {
-      return py::none();
+      return false;
     }
   }
-  return py::bytes(key);
+  for (const auto& item : kwargs) {
+    if (!encode(item.second.ptr(), key)) {
+      return false;
+    }
+  }
+  return true;
 }
+
+// Keys per op; a full set starts again.
+constexpr size_t kMaxCheckedKeys = 256;
 
 } // namespace
 
 py::object run_vjp_fwd(
-    const OpState& state,
+    OpState& state,
     py::handle fwd,
     const py::tuple& args,
     const py::dict& kwargs,
@@ -323,25 +330,29 @@ py::object run_vjp_fwd(
     PyObject* out = PyTuple_GET_ITEM(result.ptr(), 0);
     verified = PyTuple_Check(out) && static_cast<size_t>(PyTuple_GET_SIZE(out)) == num_returns;
   }
+  std::string key;
+  const bool keyed = check && metadata_key(args, kwargs, key);
   if (verified && check) {
-    std::string key;
-    key.reserve(64 * (args.size() + kwargs.size()));
-    for (const auto& v : args) {
-      verified = verified && encode(v.ptr(), key);
-    }
-    for (const auto& item : kwargs) {
-      verified = verified && encode(item.second.ptr(), key);
-    }
-    verified = verified && state.vjp_checked.count(key) > 0;
+    verified = keyed && state.vjp_checked.count(key) > 0;
   }
   if (!verified) {
-    call_method(state.opdef(), py_names().verify_vjp_fwd, {args, kwargs, result, py::bool_(check)});
+    // Raises unless the result is right; with `check`, its output was
+    // compared with the op's fake kernel's: the key is checked now.
+    call_method(
+        state.opdef(), py_names().verify_vjp_fwd,
+        {args, kwargs, result, py::bool_(check), py::bool_(keyed)});
+    if (keyed) {
+      if (state.vjp_checked.size() >= kMaxCheckedKeys) {
+        state.vjp_checked.clear();
+      }
+      state.vjp_checked.insert(std::move(key));
+    }
   }
   return result;
 }
 
 py::object answer_residual_request(
-    const OpState& state,
+    OpState& state,
     py::handle fwd,
     const py::tuple& args,
     const py::dict& kwargs) {
@@ -365,9 +376,6 @@ py::object answer_residual_request(
 }
 
 void bind_vjp_residuals(py::module_& m) {
-  m.def(
-      "_vjp_metadata_key", &metadata_key,
-      "register_vjp: a bytes key of the arguments' tensor metadata and values, or None.");
   py::class_<VjpCall>(m, "_VjpCall")
       .def(
           "residuals", &VjpCall::residuals, py::arg("saved"),

@@ -8,6 +8,8 @@ the function, once, and only when something is differentiated.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from oracles import twice, unique_op_name
 from torch._subclasses.fake_tensor import FakeTensor
@@ -103,36 +105,70 @@ class TestRegisterVjp(TestCase):
         self.op(x, w).sum().backward()
         self.assertEqual(counts(), {"fn": 0, "fwd": 1, "bwd": 1, "fake": 0})  # once per input metadata
 
-    def test_fwd_without_residuals_runs_once(self):
+    def test_fwd_without_residuals_runs_as_often_as_with_them(self):
         # Residuals may be None (a bwd that needs nothing): they still answer
-        # the request, so setup_context does not run fwd a second time.
-        runs = []
+        # the request, so fwd runs as often as when it returns tensors (once on
+        # the composite's paths), never again in setup_context or the
+        # backward. Both bwds return 6x the gradient (2x the true derivative).
+        runs = {"none": 0, "tensor": 0}
 
-        def fwd(x):
-            runs.append(1)
-            return 3 * x, None
+        def make(kind: str, residuals: str) -> torch_autobatch.CustomOpDef:
+            def fwd(x):
+                runs[residuals] += 1
+                return 3 * x, (None if residuals == "none" else (x,))
 
-        op = torch_autobatch.custom_op(
-            unique_op_name("tab_vjp", "no_residuals"), lambda x: 3 * x, mutates_args=(), schema="(Tensor x) -> Tensor"
-        )
-        op.register_vjp(fwd, lambda r, g: 6 * g)  # 2x the true derivative: bwd is what ran
-        x = torch.randn(3)
+            op = torch_autobatch.custom_op(
+                unique_op_name("tab_vjp", f"{residuals}_{kind}"),
+                lambda x: 3 * x,
+                mutates_args=(),
+                schema="(Tensor x) -> Tensor",
+                vmap="loop" if kind == "loop" else "auto",
+            )
+            op.register_vjp(fwd, lambda r, g: 6 * g)
+            if kind == "rule":
+                op.register_vmap(lambda info, in_dims, x: (3 * x, in_dims[0]))
+            return op
 
-        def backward() -> torch.Tensor:
-            leaf = x.clone().requires_grad_()
+        xs = torch.randn(3)
+
+        def backward(op: torch_autobatch.CustomOpDef) -> torch.Tensor:
+            leaf = xs.clone().requires_grad_()
             op(leaf).sum().backward()
+            return leaf.grad
+
+        def on_thread(op: torch_autobatch.CustomOpDef) -> torch.Tensor:
+            out: list[torch.Tensor] = []
+            thread = threading.Thread(target=lambda: out.append(backward(op)))
+            thread.start()
+            thread.join()
+            return out[0]
+
+        def compiled(op: torch_autobatch.CustomOpDef) -> torch.Tensor:
+            torch._dynamo.reset()
+            leaf = xs.clone().requires_grad_()
+            torch.compile(lambda x: op(x).sum(), fullgraph=True)(leaf).backward()
             return leaf.grad
 
         paths = {
             ".backward()": backward,
-            "grad": lambda: grad(lambda x: op(x).sum())(x),
-            "vmap(grad)": lambda: vmap(grad(lambda x: op(x).sum()))(x),
+            "grad": lambda op: grad(lambda x: op(x).sum())(xs),
+            "vmap(grad)": lambda op: vmap(grad(lambda x: op(x).sum()))(xs),
+            "grad(vmap)": lambda op: grad(lambda x: vmap(op)(x).sum())(xs),
+            "compiled": compiled,
+            "another thread": on_thread,
         }
-        for path, run in paths.items():
-            with self.subTest(path=path):
-                runs.clear()
-                self.assertEqual(run(), torch.full_like(x, 6.0))
-                self.assertEqual(len(runs), 1)
+        for kind in ("composite", "loop", "rule"):
+            ops = {residuals: make(kind, residuals) for residuals in runs}
+            for path, run in paths.items():
+                with self.subTest(kind=kind, path=path):
+                    counted = {}
+                    for residuals, op in ops.items():
+                        runs[residuals] = 0
+                        self.assertEqual(run(op), torch.full_like(xs, 6.0))
+                        counted[residuals] = runs[residuals]
+                    self.assertEqual(counted["none"], counted["tensor"])
+                    if kind == "composite" and path != "compiled":
+                        self.assertEqual(counted["none"], 1)
 
     def test_torch_func_transforms(self):
         x, w = self.x, self.w
@@ -481,18 +517,28 @@ class TestRegisterVjp(TestCase):
     def test_a_new_fake_kernel_checks_fwd_anew(self):
         # NOTE [fwd returns what the op returns]: the checked keys hold for the
         # fake kernel they were checked against; register_fake (as a method,
-        # or torch.library.register_fake by name) clears them.
-        op = torch_autobatch.custom_op(unique_op_name("tab_vjp", "refaked"), _fn, mutates_args=())
-        op.register_vjp(_fwd, _bwd)
-        x = self.x.clone().requires_grad_()
-        for _ in range(2):
-            op(x, self.w).sum().backward()  # checked against the function, then cached
-        for register in (op.register_fake, lambda f: torch.library.register_fake(op._qualname, f)):
-            register(lambda x, w: torch.empty_like(x, dtype=torch.float64))
-            with self.subTest(register=register), self.assertRaisesRegex(TypeError, r"dtype=torch.float64"):
-                op(x, self.w)
-            op.register_fake(lambda x, w: torch.empty_like(x))
-            op(x, self.w).sum().backward()
+        # or torch.library.register_fake by name) clears them, for every path
+        # that runs fwd (the kernel, the per-example loop, setup_context under
+        # a register_vmap rule).
+        xs, w = torch.randn(3, 5), self.w
+        paths = {
+            ".backward()": lambda op: op(xs[0].clone().requires_grad_(), w).sum().backward(),
+            "vmap(grad)": lambda op: vmap(grad(lambda x: op(x, w).sum()))(xs),
+        }
+        for kind, op in _ops_on_every_vmap_path().items():
+            registers = {
+                "method": op.register_fake,
+                "by name": lambda f, op=op: torch.library.register_fake(op._qualname, f),
+            }
+            for path, run in paths.items():
+                for how, register in registers.items():
+                    with self.subTest(kind=kind, path=path, register=how):
+                        for _ in range(2):
+                            run(op)  # checked against the fake kernel, then cached
+                        register(lambda x, w: torch.empty_like(x, dtype=torch.float64))
+                        with self.assertRaisesRegex(TypeError, r"dtype=torch.float64"):
+                            run(op)
+                        op.register_fake(lambda x, w: torch.empty_like(x))
 
     def test_compiled_with_backward_takes_new_values_and_runs_no_python(self):
         # Residuals are values of the compiled forward graph, not constants of the trace.

@@ -221,9 +221,11 @@ class KernelSide:
             result += (None,) * len(kwarg_only)
         return result
 
-    def _verify_vjp_fwd(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, check: bool) -> None:
+    def _verify_vjp_fwd(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, check: bool, keyed: bool
+    ) -> None:
         """Raises if register_vjp's fwd returned what the op does not (C++ could not tell: ``_vjp.verify``)."""
-        _vjp.verify(self, args, kwargs, result, check)  # type: ignore[arg-type]  # a CustomOpDef here
+        _vjp.verify(self, args, kwargs, result, check=check, keyed=keyed)  # type: ignore[arg-type]  # a CustomOpDef
 
     @property
     def _backward_fn_name(self) -> str:

@@ -59,8 +59,14 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
     return op._ab.registration.run_fwd(op._ab.vjp_fwd, args, kwargs, check)
 
 
-def verify(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, check: bool) -> None:
-    """Raises if ``result`` (fwd's) is not (output, residuals) with the op's output (with ``check``: its metadata)."""
+def verify(
+    op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, *, check: bool, keyed: bool
+) -> None:
+    """Raises if ``result`` (fwd's) is not (output, residuals) with the op's output (with ``check``: its metadata).
+
+    ``keyed``: C++ has a key for these arguments, and records it as checked
+    when this returns (NOTE [fwd returns what the op returns]).
+    """
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(
             f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) must return "
@@ -77,7 +83,7 @@ def verify(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], resul
             f"({op._opoverload._schema.returns}). Return them as the op's function does."
         )
     if check:
-        check_fwd_output(op, args, kwargs, outs)
+        check_fwd_output(op, args, kwargs, outs, keyed=keyed)
 
 
 def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:

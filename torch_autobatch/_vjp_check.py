@@ -14,11 +14,11 @@ level, autograd and dispatch mode, on meta copies of the inputs (where it
 cannot, as a fake kernel that asks torch.library.get_ctx() for a dynamic size,
 on fake copies in a FakeTensorMode of its own: the first one a process makes
 costs ~1 s). It runs, and fwd's output is compared, once per input metadata
-and values (the key, built in C++: ``_C._vjp_metadata_key``); the op caches
-the key as checked (a fact about the key: no per-call state) in its C++
-state, where the call of fwd looks it up (``Registration.run_fwd``: a later
-call pays ~0.1 us), or, for arguments C++ has no encoding for (nested
-tensors, tensor subclasses), in a dict of Python keys. register_vjp and
+and values (the key, built in C++ by the call of fwd, ``Registration.run_fwd``);
+the op caches the key as checked (a fact about the key: no per-call state)
+in its C++ state, where a later call finds it (~0.1 us), or, for arguments
+C++ has no encoding for (nested tensors, tensor subclasses), in a dict of
+Python keys. register_vjp and
 register_fake clear both (``forget_checks``). fwd's output metadata is taken
 to be a function of its inputs' metadata and values, as the fake kernel's
 is, as JAX checks a ``custom_vjp``'s fwd once per trace. An output on the
@@ -38,8 +38,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
-
-from . import _C
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
@@ -64,29 +62,30 @@ def fwd_name(op: CustomOpDef) -> str:
     return getattr(fwd, "__qualname__", None) or repr(fwd)
 
 
-def check_fwd_output(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> None:
+def check_fwd_output(
+    op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...], *, keyed: bool
+) -> None:
     """Raises if ``outs`` (fwd's output, one value per return) is not what the op returns for these inputs.
 
-    Called where C++ found the arguments' key not checked yet (``_vjp.run_fwd``),
-    or had none.
+    Called where C++ found the arguments' key not checked yet (``keyed``: it
+    records the key when this returns) or had no key for them (then the
+    Python key, in ``op._ab.vjp_checked``).
     """
-    arguments = args + tuple(kwargs.values()) if kwargs else args  # kwargs: in schema order
-    # The fake kernel's output is a function of the key alone, whatever the
-    # tensors are: real, batched, fake with static sizes.
-    key: Any = _C._vjp_metadata_key(arguments)
-    cache = op._ab.vjp_checked  # the keys C++ has no encoding for
-    if key is None:
+    key: Any = None
+    if not keyed:
+        # The fake kernel's output is a function of the key alone, whatever
+        # the tensors are: real, batched, fake with static sizes.
+        arguments = args + tuple(kwargs.values()) if kwargs else args  # kwargs: in schema order
         try:
             key = _key(arguments)
-            if cache.get(key) is _CHECKED:
+            if op._ab.vjp_checked.get(key) is _CHECKED:
                 return
         except TypeError:  # a symbolic size, or a value that cannot be hashed: not cached
             key = None
     expected = _run_fake_kernel(op, args, kwargs)
     if expected is None or _matches(outs, expected):
-        if type(key) is bytes:
-            op._ab.registration.mark_fwd_checked(key, _CACHE_SIZE)
-        elif key is not None:
+        if key is not None:
+            cache = op._ab.vjp_checked
             if len(cache) >= _CACHE_SIZE:
                 cache.clear()
             cache[key] = _CHECKED
@@ -106,7 +105,7 @@ def forget_checks(op: CustomOpDef) -> None:
 
 
 def _key(value: Any) -> Any:
-    """The key for arguments ``_C._vjp_metadata_key`` has no encoding for (raises TypeError if unhashable)."""
+    """The key for arguments C++ has no encoding for (raises TypeError if unhashable)."""
     if isinstance(value, torch.Tensor):
         return (value.shape, value.dtype, value.device, value.layout)
     if isinstance(value, (tuple, list)):
