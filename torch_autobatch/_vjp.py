@@ -174,7 +174,7 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
         # around the set_kernel_enabled check around the function; the kernel
         # registered now gets the same wrapper, which governs (NOTE [Calling
         # the composite directly], csrc/run_backend.cpp). Inside it, a second
-        # _disable_dynamo would only cost a call that runs the function (~10k
+        # _disable_dynamo would only cost a call that runs the function (~6k
         # instructions: every call that differentiates nothing).
         inner = getattr(kernel, "__wrapped__", kernel)
         torch._library.custom_ops.CustomOpDef.register_kernel(op, device_type, wrap_kernel(op, inner))

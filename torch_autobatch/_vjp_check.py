@@ -18,10 +18,10 @@ and values (the key, built in C++ by the call of fwd, ``Registration.run_fwd``);
 the op caches the key as checked (a fact about the key: no per-call state)
 in its C++ state, where a later call finds it (~0.1 us), or, for arguments
 C++ has no encoding for (nested tensors, tensor subclasses), in a dict of
-Python keys. register_vjp and
-register_fake clear both (``forget_checks``). fwd's output metadata is taken
-to be a function of its inputs' metadata and values, as the fake kernel's
-is, as JAX checks a ``custom_vjp``'s fwd once per trace. An output on the
+Python keys; register_vjp and register_fake clear both (``forget_checks``).
+fwd's output metadata is taken to be a function of its inputs' metadata and
+values, as the fake kernel's is, as JAX checks a ``custom_vjp``'s fwd once
+per trace. An output on the
 meta device has no device to compare. Symbolic sizes (a dynamic-shape trace)
 are not a key: the fake kernel then runs in the trace's fake mode on every
 call, and only a size that differs for certain is an error. A fake kernel
