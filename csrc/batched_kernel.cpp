@@ -69,6 +69,16 @@ bool looks_like_batching_failure(const std::string& msg) {
   return false;
 }
 
+// The first of `inputs` batched at vmap level `level`, or nullptr.
+const at::Tensor* first_batched(const std::vector<at::Tensor>& inputs, int64_t level) {
+  for (const auto& t : inputs) {
+    if (t.defined() && functorch::isBatchedAtLevel(t, level)) {
+      return &t;
+    }
+  }
+  return nullptr;
+}
+
 class BatchedKernel final : public c10::OperatorKernel {
  public:
   explicit BatchedKernel(std::shared_ptr<OpState> state) : state_(std::move(state)) {}
@@ -98,13 +108,7 @@ class BatchedKernel final : public c10::OperatorKernel {
 
     std::vector<at::Tensor> inputs;
     auto arg_slots = flatten_tensors(args, inputs);
-    const at::Tensor* batched = nullptr;
-    for (const auto& t : inputs) {
-      if (t.defined() && functorch::isBatchedAtLevel(t, level)) {
-        batched = &t;
-        break;
-      }
-    }
+    const at::Tensor* batched = first_batched(inputs, level);
     if (batched == nullptr) {
       op.redispatchBoxed(ks & kBelowBatched, stack);
       return;
@@ -120,11 +124,16 @@ class BatchedKernel final : public c10::OperatorKernel {
     }
 
     const bool grad_mode = c10::GradMode::is_enabled();
+    if (state_->has_closure.load(std::memory_order_relaxed)) {
+      check_closure(
+          *state_, inputs, grad_mode,
+          /*batched_kernel=*/true); // NOTE [What the function closes over]
+    }
+    const bool attaches = !nothing_to_attach(*state_, grad_mode, inputs);
     std::vector<c10::IValue> saved_args(args.begin(), args.end());
     // NOTE [Residuals of register_vjp]: open until the level walk's setup_context.
     ResidualRequest residuals(
-        state_.get(), mode == VmapMode::Composite && state_->has_vjp.load() &&
-                          !nothing_to_attach(*state_, grad_mode, inputs));
+        state_.get(), mode == VmapMode::Composite && state_->has_vjp.load() && attaches);
     {
       c10::AutoGradMode no_grad(false);
       // NOTE [Forward mode under vmap]: with a registered jvp, tangents at the
@@ -137,6 +146,9 @@ class BatchedKernel final : public c10::OperatorKernel {
         run_rule(op, stack);
       } else {
         run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args);
+      }
+      if (attaches && !state_->returns_an_argument) {
+        batch_every_output(inputs, num_returns, stack);
       }
     }
     if (state_->returns_an_argument) {
@@ -267,6 +279,79 @@ class BatchedKernel final : public c10::OperatorKernel {
         ".register_vmap(rule), or define the op with "
         "torch_autobatch.custom_op(..., vmap=\"loop\") to run it once per "
         "example (slower, correct for values and gradients).");
+  }
+
+  // NOTE [An output is batched wherever an input is]
+  // The composite (or a rule) may return an output that a vmap level sees as
+  // unbatched while an input is batched there (a value independent of that
+  // input, a rule's out_dims None). The op's rules may still connect the two
+  // (a backward giving the input a gradient from that output), so each example
+  // needs its own cotangent and tangent for it. A node attached below that
+  // level to the unbatched output would receive the sum of all examples'
+  // cotangents (autograd's backward of vmap's final expand), and a tangent
+  // set there one value for all examples: silently wrong. torch's loop
+  // fallback stacks its outputs, so it is right. So when a node or tangent
+  // will be attached, each floating or complex output that lacks a batch
+  // level of the inputs is copied into a buffer batched at every such level
+  // (new_empty on a tensor batched like the inputs, then copy_: bit-exact,
+  // and copy_ carries a derived tangent). Run as user code is (each op
+  // through the front key), so every level batches its own part, nested vmap
+  // and the Grad/Jvp levels between included. The cost, B copies of that
+  // output, is what the loop fallback pays, and only on this path.
+  void batch_every_output(
+      const std::vector<at::Tensor>& inputs,
+      size_t num_returns,
+      torch::jit::Stack* stack) const {
+    std::vector<int64_t> in_levels;
+    std::vector<const at::Tensor*> batched_inputs;
+    for (const auto& t : inputs) {
+      if (!t.defined()) {
+        continue;
+      }
+      const auto levels = functorch::batched_levels(t);
+      if (!levels.empty()) {
+        batched_inputs.push_back(&t);
+        in_levels.insert(in_levels.end(), levels.begin(), levels.end());
+      }
+    }
+    auto lacks_a_level = [&](const at::Tensor& t) {
+      if (!t.defined() || t.layout() != c10::kStrided ||
+          !(t.is_floating_point() || t.is_complex())) {
+        return false;
+      }
+      const auto levels = functorch::batched_levels(t);
+      return std::any_of(in_levels.begin(), in_levels.end(), [&](int64_t l) {
+        return std::find(levels.begin(), levels.end(), l) == levels.end();
+      });
+    };
+    const auto returns = torch::jit::last(*stack, num_returns);
+    if (std::none_of(returns.begin(), returns.end(), [&](const c10::IValue& v) {
+          bool any = false;
+          map_tensors(v, [&](const at::Tensor& t, size_t) {
+            any = any || lacks_a_level(t);
+            return t;
+          });
+          return any;
+        })) {
+      return;
+    }
+    functorch::AsPlainCaller plain;
+    at::Tensor like; // () shaped, batched at every level an input is
+    for (const at::Tensor* t : batched_inputs) {
+      auto z = t->new_zeros({});
+      like = like.defined() ? like.add(z) : z;
+    }
+    for (auto it = stack->end() - static_cast<std::ptrdiff_t>(num_returns); it != stack->end();
+         ++it) {
+      *it = map_tensors(*it, [&](const at::Tensor& t, size_t) {
+        if (!lacks_a_level(t)) {
+          return t;
+        }
+        auto buffer = like.new_empty(t.sizes(), t.options());
+        buffer.copy_(t);
+        return buffer;
+      });
+    }
   }
 
   // The user's register_vmap rule, through torch's helper for such rules.

@@ -139,6 +139,22 @@ inline at::Tensor innermost(at::Tensor t) {
   }
 }
 
+// The vmap levels at which `t` is batched, outermost last: its BatchedTensors,
+// looking through the TensorWrappers of Grad/Jvp levels between them.
+inline std::vector<int64_t> batched_levels(at::Tensor t) {
+  std::vector<int64_t> levels;
+  while (true) {
+    if (auto* b = at::functorch::maybeGetBatchedImpl(t)) {
+      levels.push_back(b->level());
+      t = b->value();
+    } else if (auto* w = at::functorch::maybeGetTensorWrapper(t)) {
+      t = w->value();
+    } else {
+      return levels;
+    }
+  }
+}
+
 // Gives `g` (a gradient or tangent one vmap level down) the batch layout of its input:
 // batch dimension at `want` (or none), from `have`.
 inline at::Tensor match_bdim(
