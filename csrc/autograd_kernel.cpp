@@ -47,6 +47,11 @@ class AutogradKernel final : public c10::OperatorKernel {
       some_requires_grad |= t.defined() && t.requires_grad();
     }
     const bool needs_node = some_requires_grad && c10::GradMode::is_enabled();
+    if (state_->has_closure.load(std::memory_order_relaxed)) {
+      check_closure(
+          *state_, inputs, c10::GradMode::is_enabled(),
+          /*batched_kernel=*/false); // NOTE [What the function closes over]
+    }
     if (needs_node && schema.is_mutable()) {
       check_mutated_need_no_grad(schema, args);
     }

@@ -50,6 +50,14 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set_has_vjp", [](tab::Registration& r, bool has) { r.state->has_vjp.store(has); },
           "Whether the op has a registered vjp (register_vjp).")
+      .def(
+          "set_closure",
+          [](tab::Registration& r, const py::tuple& closure) {
+            r.state->closure = tab::PyRef(closure);
+            r.state->has_closure.store(closure.size() > 0);
+          },
+          "What the op's user code closes over: (function, variable, cell or value) triples "
+          "(NOTE [What the function closes over]).")
       // NOTE [Residuals of register_vjp]
       .def(
           "answer_residual_request",

@@ -59,6 +59,12 @@ struct OpState {
   // [Returned mutated arguments] (op_tensors.cpp).
   std::vector<int64_t> return_aliases;
   bool returns_an_argument = false;
+  // What the op's user code (function, register_vjp's fwd, register_vmap's
+  // rule) closes over: a tuple of (function name, variable name, cell or
+  // value), checked on each call while non-empty (NOTE [What the function
+  // closes over], closure.cpp). Set and read with the GIL.
+  PyRef closure;
+  std::atomic<bool> has_closure{false};
   // The definition our kernels were registered for still exists; cleared by
   // the dispatcher listener (registration.cpp).
   std::atomic<bool> defined{true};
@@ -285,6 +291,19 @@ bool run_backend(
 bool has_functional_schema(const c10::FunctionSchema& schema);
 // Looks up what run_backend needs from torch; called once, at import.
 void init_composite_call();
+
+// NOTE [What the function closes over] (closure.cpp): raises, naming the op
+// and the variable, if a tensor the op's user code closes over would lose
+// its derivative (it is differentiated at a live level, or has a tangent)
+// or has escaped a vmap (batched at a level not on the stack now). Only
+// called while state.has_closure. `inputs`: the op's own tensors;
+// `batched_kernel`: called by the batched kernel (which answers for the
+// levels below its own), else by the Autograd kernel (its own level).
+void check_closure(
+    const OpState& state,
+    const std::vector<at::Tensor>& inputs,
+    bool grad_mode,
+    bool batched_kernel);
 
 // Our boxed kernels for one op: autograd_kernel.cpp (the Autograd key) and
 // batched_kernel.cpp (the FuncTorchBatched key).

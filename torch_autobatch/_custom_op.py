@@ -31,8 +31,9 @@ from torch._library import custom_ops as _torch_custom_ops
 from torch._library import simple_registry
 from torch._library import utils as _library_utils
 
-from . import _C, _compile, _vjp, _vjp_check
+from . import _C, _closure, _compile, _vjp, _vjp_check, _warn
 from ._kernel_side import KernelSide, OpExtras, takes_keyword_only_inputs
+from ._op_identity import OpIdentity
 from ._schema import schema_of
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -170,6 +171,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
         elif self._vmap_fn is not None:
             self._ab.registration.set_vmap_mode(_C.VmapMode.rule)
         _compile.register(self, fuse=compile == "fuse")  # NOTE [Inductor sees the function]
+        _closure.refresh(self)  # NOTE [What the function closes over]
         self.__name__ = self._name
         self.__qualname__ = self._name
         self.__doc__ = self._init_fn.__doc__
@@ -482,6 +484,7 @@ class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
             raise TypeError(f"{self._qualname}.register_vmap: expected a callable, got {type(rule).__name__}.")
         self._vmap_fn = rule
         self._ab.registration.set_vmap_mode(_C.VmapMode.rule)
+        _closure.refresh(self)
         _compile.refresh_cache_key(self)
         return rule
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _compile
+from . import _C, _closure, _compile
 from ._vjp_check import check_fwd_output, forget_checks, fwd_name
 
 if TYPE_CHECKING:
@@ -179,6 +179,7 @@ def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) 
         inner = getattr(kernel, "__wrapped__", kernel)
         torch._library.custom_ops.CustomOpDef.register_kernel(op, device_type, wrap_kernel(op, inner))
     op._ab.registration.set_has_vjp(True)
+    _closure.refresh(op)  # NOTE [What the function closes over]
     _compile.refresh_cache_key(op)
 
 
