@@ -15,8 +15,10 @@ refuses to load the extension (NOTE [Supported torch window]).
 
 import os
 import runpy
+import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from setuptools import find_packages, setup
@@ -33,6 +35,22 @@ DEBUG = os.environ.get("DEBUG", "0") not in ("", "0")
 CXX_FLAGS = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O2"]
 CXX_FLAGS += ["-fvisibility=hidden", "-Wno-unused-parameter"]
 BUILD_INFO = ROOT / "torch_autobatch" / "_build_info.py"
+# NOTE [A persistent build directory]
+# pip builds an editable install in a fresh temporary directory each time, so
+# every `pip install --no-build-isolation -e .` compiled all of csrc/ again
+# (minutes on 2 cores), also when nothing changed. The objects (and torch's
+# build.ninja) go instead to BUILD_DIR, a fixed directory under the project
+# root (ignored by git), one per Python, torch and build type, so that the
+# objects of one torch or of DEBUG=1 are never linked with another's. ninja
+# then recompiles only the objects whose inputs changed (the source, a header
+# it includes, the compile command), and the link runs only when an object is
+# newer than the library. For an in-place build (editable install, build_ext
+# --inplace) the linked library is kept there too, then copied into the
+# package only when it differs, by rename, so a process that has the old one
+# loaded keeps it intact; a regular wheel build keeps setuptools' build_lib,
+# which its install step reads. `rm -rf build` starts from scratch.
+BUILD_TYPE = "debug" if DEBUG else "release"
+BUILD_DIR = ROOT / "build" / f"{sys.implementation.cache_tag}-torch-{torch.__version__}-{BUILD_TYPE}"
 
 torch_version = TorchVersion(torch.__version__)
 if not VERSION["TORCH_MIN"] <= torch_version < VERSION["TORCH_END"]:
@@ -46,7 +64,36 @@ print(f"torch_autobatch: building {SOURCES} against torch {torch_version} with {
 
 
 class BuildWithInfo(BuildExtension):
-    """Builds the extension and records which torch it was compiled against."""
+    """Builds the extension in BUILD_DIR and records which torch it was compiled against."""
+
+    def finalize_options(self) -> None:
+        # Before build's own (temporary, for an editable install) directories
+        # are taken: NOTE [A persistent build directory].
+        self.build_temp = str(BUILD_DIR / "temp")
+        if self.editable_mode or self.inplace:
+            self.build_lib = str(BUILD_DIR / "lib")
+        super().finalize_options()
+
+    def build_extensions(self) -> None:
+        # torch forces every step so that ninja decides what to compile; the
+        # link needs no forcing: it runs when an object is newer than the library.
+        self.compiler.force = False
+        super().build_extensions()
+
+    def copy_file(self, infile: str, outfile: str, *args: Any, **kwargs: Any) -> tuple[str, bool]:
+        """Copies the built library into the package: not if unchanged, else by rename."""
+        if self.dry_run:
+            return super().copy_file(infile, outfile, *args, **kwargs)
+        try:
+            src, dst = os.stat(infile), os.stat(outfile)
+            if (src.st_size, int(src.st_mtime)) == (dst.st_size, int(dst.st_mtime)):
+                return outfile, False  # the copy keeps the library's mtime (preserve_times)
+        except OSError:
+            pass  # no library there yet
+        partial = f"{outfile}.{os.getpid()}.tmp"
+        _, copied = super().copy_file(infile, partial, *args, **kwargs)
+        os.replace(partial, outfile)
+        return outfile, copied
 
     def run(self) -> None:
         super().run()
