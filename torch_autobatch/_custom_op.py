@@ -85,7 +85,7 @@ def _undo_registration(qualname: str, op: Any) -> None:
 # rule for our batched kernel instead of registering torch's Python one, the
 # fake kernel defaults to the op's own function, keyword-only tensors are
 # allowed, and register_autograd/register_jvp accept our extra forms.
-class CustomOpDef(KernelSide, _torch_custom_ops.CustomOpDef):
+class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOTE [An op is a global]
     """An operator made by :func:`custom_op`; call it like the function it wraps.
 
     It is the same operator as ``torch.ops.<namespace>.<name>``: calling either
