@@ -30,6 +30,15 @@ except ImportError as e:  # pragma: no cover - depends on the installation
         f"`{REBUILD}` from the project root."
     ) from e
 
+# NOTE [Lazy heavy imports]
+# `import torch_autobatch` must cost little on top of `import torch` (a script
+# that only calls an op pays it on every start). Modules that torch itself does
+# not import and that take long to load -- torch.fx.experimental.symbolic_shapes
+# (and so sympy, ~0.3-2 s), torch._subclasses.fake_tensor, torch._dynamo,
+# torch._inductor -- are imported inside the function that needs them, never at
+# module level here; the feature that needs one (a dynamic-shape trace, a fake
+# mode, torch.compile) has loaded it already or pays for it once, when used.
+# test/test_import.py checks, in a fresh process, that none of them is imported.
 from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
 from ._trace_fx import TraceGraphs

@@ -34,8 +34,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -135,7 +133,12 @@ def _run_fake_kernel(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, A
                 return run("meta")
             except Exception:  # noqa: S110  (then in a fake mode, below)
                 pass
-        mode = torch._guards.detect_fake_mode() if traced else FakeTensorMode(allow_non_fake_inputs=True)
+        if traced:
+            mode = torch._guards.detect_fake_mode()
+        else:
+            from torch._subclasses.fake_tensor import FakeTensorMode  # NOTE [Lazy heavy imports]
+
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
         if mode is None:
             return None
         try:
@@ -168,6 +171,9 @@ def _matches(got: Any, want: Any) -> bool:
             return False
         if all(type(d) is int for d in shape) and all(type(d) is int for d in want.shape):
             return shape == want.shape
+        # Symbolic sizes: a trace, which imported symbolic_shapes already (NOTE [Lazy heavy imports]).
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
         return not any(statically_known_true(a != b) for a, b in zip(shape, want.shape))
     if type(want) is list:
         return isinstance(got, (tuple, list)) and len(got) == len(want) and all(map(_matches, got, want))
