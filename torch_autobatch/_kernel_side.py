@@ -20,7 +20,8 @@ from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import utils as _library_utils
 
 from . import _compile, _forward_mode, _vjp
-from ._autograd import BackwardContext
+from ._autograd import BackwardContext, num_passed, trailing_defaults
+from ._vmap_check import checked_rule
 
 if TYPE_CHECKING:
     import torch._ops
@@ -123,7 +124,7 @@ class KernelSide:
         assert self._vmap_fn is not None
         out = custom_function_call_vmap_helper(
             interpreter,  # type: ignore[arg-type]  # a VmapInterpreter here
-            self._vmap_fn,
+            functools.partial(checked_rule, self._qualname, self._vmap_fn),  # NOTE [A vmap rule's return is checked]
             self._opoverload,
             *positional,
             **kwargs,
