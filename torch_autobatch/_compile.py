@@ -44,6 +44,23 @@ another build of it must not be served graphs the old one traced.
 A function that cannot be traced (it leaves torch: ``.item()``, ``.numpy()``,
 Python control flow on values) makes the decomposition return
 ``NotImplemented``, and the tracer records the op as one node instead.
+
+NOTE [TorchScript sees the op]
+``torch.jit.script`` looks a Python value it calls up in ``torch.jit``'s
+builtin table (``torch.jit._builtins``: ``torch.add`` -> ``aten::add``) by
+``id()``; a value not there it calls back into Python: for torch.library's
+``CustomOpDef`` a ``python_value`` node that ``torch.jit.save`` cannot
+serialize, for ours an internal assert (its ``__signature__`` is the
+function's, its ``__call__`` takes ``*args``). Each op is in that table as
+its operator ``ns::name``, so a scripted function or module that calls it
+(a global ``op(x)`` or an attribute ``self.op = op``) holds the op's node, as
+with ``torch.ops.ns.name(x)``, and saves and loads as one. Keyed by ``id()``,
+the entry goes with the op's definition (NOTE [Kernels die with their op]),
+while the op is alive: a later object with the same id is not taken for it.
+Two other readers of the table see the op as ``torch.ops.ns.name`` too:
+torch.fx's ``get_signature_for_torch_op`` (its schema's signature), and
+``torch.distributed.rpc``, which runs it on the worker as a builtin (the
+worker must have imported the op's definition, as for ``torch.ops``).
 """
 
 from __future__ import annotations
@@ -80,6 +97,7 @@ __all__ = [
     "refresh_cache_key",
     "register",
     "unlist_for_inductor",
+    "unlist_for_torchscript",
 ]
 
 #: The values of ``custom_op(..., compile=...)``.
@@ -173,12 +191,24 @@ def _sync(opdef: CustomOpDef) -> None:
 
 def register(opdef: CustomOpDef, fuse: bool) -> None:
     """Fingerprints ``opdef`` for the compile caches and, with ``fuse``, lists
-    it in Inductor's decomposition table (NOTE [Inductor sees the function])."""
+    it in Inductor's decomposition table (NOTE [Inductor sees the function]);
+    TorchScript then scripts a call of it as its operator (NOTE [TorchScript sees the op])."""
     with _lock:
         _ops.add(opdef)
     if fuse:
         _list(opdef)
     _sync(opdef)
+    _torchscript_builtins()[id(opdef)] = opdef._opoverload._schema.name  # "ns::name"
+
+
+def _torchscript_builtins() -> dict[int, str]:
+    """``torch.jit``'s table of Python callables it scripts as operators (NOTE [TorchScript sees the op])."""
+    return torch.jit._builtins._get_builtin_table()
+
+
+def unlist_for_torchscript(opdef: CustomOpDef) -> None:
+    """Removes the op's TorchScript entry (its definition is gone: NOTE [TorchScript sees the op])."""
+    _torchscript_builtins().pop(id(opdef), None)
 
 
 def _list(opdef: CustomOpDef) -> None:

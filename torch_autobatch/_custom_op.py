@@ -184,6 +184,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         """Deregisters our C++ kernels (torch destroying the op's Library calls this)."""
         self._ab.registration.destroy()
         _compile.unlist_for_inductor(self)
+        _compile.unlist_for_torchscript(self)
 
     # The op's function, for introspection (inspect.signature, inspect.unwrap,
     # help()); properties rather than instance attributes, which vmap(op)
