@@ -297,7 +297,13 @@ class TestPythonCppBoundary(TestCase):
             for name, value in vars(KernelSide).items()
             if name.startswith("_") and not name.startswith("__") and callable(value)
         }
-        helpers = {"_split_args", "_call_setup_context", "_reject_dirty", "_reraise_assigned_saved_tensors"}
+        helpers = {
+            "_split_args",
+            "_call_setup_context",
+            "_reject_dirty",
+            "_reraise_assigned_saved_tensors",
+            "_needs_as_passed",
+        }
         self.assertEqual(defined - helpers, called)
         for name, (nargs, on) in side.items():
             target = op if on == "op" else ctx
@@ -417,6 +423,187 @@ class TestSparseInputs(TestCase):
         for f in (plain, lambda b: sparse_mm(a, b).sum()):
             with self.assertRaisesRegex(RuntimeError, "Sparse CSR tensors do not have strides"):
                 torch.func.grad(f)(b.detach())
+
+
+# ---------------------------------------------------------------------------
+# torch.library's ctx.needs_input_grad: one entry per argument passed (NOTE
+# [needs_input_grad counts the arguments passed], torch_autobatch/_autograd.py).
+DEFAULTS_CALLS = {
+    "f(x, y)": lambda f, x, y: f(x, y),
+    "f(x, y, 3.0)": lambda f, x, y: f(x, y, 3.0),
+    "f(x, y, 2.0)": lambda f, x, y: f(x, y, 2.0),  # equal to the default: torch leaves it out
+    "f(x, y, scale=3.0)": lambda f, x, y: f(x, y, scale=3.0),
+    "f(x, y, flag=True)": lambda f, x, y: f(x, y, flag=True),
+    "f(x, y, 2.0, False)": lambda f, x, y: f(x, y, 2.0, False),
+    "torch.ops f(x, y, 3.0)": lambda f, x, y: f._opoverload(x, y, 3.0),
+}
+
+
+def _defaults_op(make, name: str, log: list, grads: str = "as_many"):
+    """``f(x, y, scale=2.0, flag=False)``, its setup_context and backward logging ``len(ctx.needs_input_grad)``.
+
+    ``grads``: how many gradients the backward returns: ``as_many`` as
+    ``ctx.needs_input_grad`` has entries, ``all`` one per input, or ``two``.
+    """
+
+    @make(f"{NS}::{name}", mutates_args=())
+    def f(x: torch.Tensor, y: torch.Tensor, scale: float = 2.0, flag: bool = False) -> torch.Tensor:
+        return x * y * scale
+
+    def setup_context(ctx, inputs, output):
+        log.append(("setup_context", len(ctx.needs_input_grad)))
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.scale = inputs[2]
+
+    def backward(ctx, grad):
+        log.append(("backward", len(ctx.needs_input_grad)))
+        x, y = ctx.saved_tensors
+        n = {"as_many": len(ctx.needs_input_grad), "all": 4, "two": 2}[grads]
+        return (2 * grad * y * ctx.scale, 2 * grad * x * ctx.scale) + (None,) * (n - 2)
+
+    f.register_autograd(backward, setup_context=setup_context)
+    return f
+
+
+def _backward_lengths(f, call, log: list, how: str) -> list:
+    """The backward's ``len(ctx.needs_input_grad)`` (and setup_context's) for ``call``, differentiated ``how``."""
+    log.clear()
+    x, y = _x(3), _x(3)
+    if how == "backward":
+        xr = x.clone().requires_grad_()
+        call(f, xr, y).sum().backward()
+    elif how == "grad":
+        torch.func.grad(lambda x: call(f, x, y).sum())(x)
+    else:  # vmap(grad)
+        torch.vmap(torch.func.grad(lambda x: call(f, x, y).sum()))(_x(2, 3))
+    return list(log)
+
+
+class TestNeedsInputGradCountsPassedArguments(TestCase):
+    def test_backward_sees_as_many_entries_as_torch_library(self):
+        torch_log: list = []
+        ours_log: list = []
+        theirs = _defaults_op(torch.library.custom_op, "nig_torch", torch_log)
+        ours = _defaults_op(torch_autobatch.custom_op, "nig_ours", ours_log)
+        for name, call in DEFAULTS_CALLS.items():
+            # torch.library's op differentiates under .backward() only.
+            expected = [n for what, n in _backward_lengths(theirs, call, torch_log, "backward") if what == "backward"]
+            for how in ("backward", "grad", "vmap_grad"):
+                with self.subTest(call=name, how=how):
+                    got = _backward_lengths(ours, call, ours_log, how)
+                    backward = [n for what, n in got if what == "backward"]
+                    setup = [n for what, n in got if what == "setup_context"]
+                    self.assertEqual(backward, expected * len(backward))
+                    self.assertTrue(backward)
+                    # setup_context sees the same ctx (torch's sees one more
+                    # entry, for an argument of its own autograd.Function).
+                    self.assertEqual(setup, backward[:1] * len(setup))
+        self.assertEqual(
+            [n for _, n in _backward_lengths(theirs, DEFAULTS_CALLS["f(x, y)"], torch_log, "backward")], [3, 2]
+        )
+
+    def test_a_backward_may_return_as_many_gradients_as_entries_or_one_per_input(self):
+        for grads in ("as_many", "all"):
+            log: list = []
+            theirs = _defaults_op(torch.library.custom_op, f"nig_count_torch_{grads}", log)
+            ours = _defaults_op(torch_autobatch.custom_op, f"nig_count_ours_{grads}", log, grads=grads)
+            for name, call in DEFAULTS_CALLS.items():
+                with self.subTest(grads=grads, call=name):
+                    x, y = _x(3), _x(3)
+                    want = torch.func.grad(lambda x: call(ours, x, y).sum())(x)
+                    xr = x.clone().requires_grad_()
+                    call(theirs, xr, y).sum().backward()
+                    self.assertEqual(want, xr.grad)
+                    self.assertEqual(torch.vmap(torch.func.grad(lambda x: call(ours, x, y).sum()))(x[None]), want[None])
+
+    def test_fewer_gradients_than_entries_is_an_error_as_in_torch(self):
+        log: list = []
+        theirs = _defaults_op(torch.library.custom_op, "nig_few_torch", log, grads="two")
+        ours = _defaults_op(torch_autobatch.custom_op, "nig_few_ours", log, grads="two")
+        x, y = _x(3).requires_grad_(), _x(3)
+        with self.assertRaisesRegex(RuntimeError, "incorrect number of gradients"):
+            theirs(x, y, 3.0).sum().backward()
+        with self.assertRaisesRegex(RuntimeError, r"nig_few_ours.*returned 2 gradient\(s\)"):
+            ours(x, y, 3.0).sum().backward()
+
+    def test_jvp_ctx_counts_the_same(self):
+        log: list = []
+        ours = _defaults_op(torch_autobatch.custom_op, "nig_jvp", log)
+        ours.register_jvp(lambda ctx, tx, ty, *rest: tx * ctx.saved_tensors[1] * ctx.scale)
+        x, y = _x(3), _x(3)
+        log.clear()
+        torch.func.jvp(lambda x: ours(x, y), (x,), (torch.ones_like(x),))
+        self.assertEqual(log, [("setup_context", 2)])
+
+    def test_ops_with_keyword_only_arguments_keep_one_entry_per_input(self):
+        SEEN.clear()
+        seen = []
+        mul_scalar.register_autograd(
+            lambda ctx, grad: seen.append(len(ctx.needs_input_grad)) or 2 * grad * ctx.scalar,
+            setup_context=_mul_scalar_setup,
+        )
+        try:
+            torch.func.grad(lambda x: mul_scalar(x, scalar=3.0).sum())(_x(3))
+        finally:
+            mul_scalar.register_autograd(lambda ctx, grad: 2 * grad * ctx.scalar, setup_context=_mul_scalar_setup)
+        self.assertEqual(seen, [2])
+
+
+# ---------------------------------------------------------------------------
+# register_fake on an op tagged torch.Tag.inplace / torch.Tag.out: torch's
+# warning, at the user's line, and the fake kernel used.
+class TestRegisterFakeOnTaggedOps(TestCase):
+    def _define(self, make, name: str, tag):
+        if tag is torch.Tag.inplace:
+
+            @make(f"{NS}::{name}", mutates_args=("x",), tags=tag)
+            def op(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                x.add_(y)
+                return x
+
+            return op, lambda x, y: x, lambda a, b: ((a, b), {}), 0
+
+        @make(f"{NS}::{name}", mutates_args=("out",), tags=tag)
+        def op(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+            out.copy_(2 * x)
+            return out
+
+        return op, lambda x, *, out: out, lambda a, b: ((a,), {"out": b}), 1
+
+    def _register(self, make, name: str, tag) -> dict:
+        """What register_fake does on such an op: its warnings (where), then whether fake tensors use the fake kernel."""
+        import inspect
+        import warnings
+
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        op, fake, args_of, returned = self._define(make, name, tag)
+        calls = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            op.register_fake(lambda *a, **k: calls.append(1) or fake(*a, **k))
+        with FakeTensorMode() as mode:
+            a, b = mode.from_tensor(_x(3)), mode.from_tensor(_x(3))
+            args, kwargs = args_of(a, b)
+            out = op(*args, **kwargs)
+        return dict(
+            warnings=[(w.category, w.filename, w.lineno - line) for w in caught],
+            text=[str(w.message).replace(str(op), "<op>") for w in caught],
+            used=bool(calls),
+            same_object=out is (a, b)[returned],
+        )
+
+    def test_warns_at_the_users_line_and_uses_the_fake_kernel_as_torch_library(self):
+        for tag in (torch.Tag.inplace, torch.Tag.out):
+            with self.subTest(tag=tag):
+                suffix = "inplace" if tag is torch.Tag.inplace else "out"
+                theirs = self._register(torch.library.custom_op, f"tagged_fake_torch_{suffix}", tag)
+                ours = self._register(torch_autobatch.custom_op, f"tagged_fake_ours_{suffix}", tag)
+                self.assertEqual(ours, theirs)
+                self.assertEqual(theirs["warnings"], [(UserWarning, __file__, 0)])
+                self.assertIn(f"tagged with torch.Tag.{suffix}", theirs["text"][0])
+                self.assertTrue(theirs["used"] and theirs["same_object"])
 
 
 if __name__ == "__main__":

@@ -82,6 +82,68 @@ class BackwardContext(FunctionCtx):
         return f"BackwardContext(needs_input_grad={self.needs_input_grad})"
 
 
+# NOTE [needs_input_grad counts the arguments passed]
+# torch.library's ctx.needs_input_grad has one entry per argument its
+# autograd.Function got, and that is what torch's boxed-to-Python conversion
+# passes (NOTE [The function gets its arguments as torch passes them],
+# csrc/python_interop.h): the positional arguments up to the last one that
+# differs from its schema default. So for f(x, y, scale=2.0, flag=False),
+# f(x, y) and f(x, y, 2.0) have 2 entries, f(x, y, 3.0) 3, f(x, y, flag=True)
+# 4, in backward (torch's setup_context sees one more, for an argument of
+# its own: not copied). Ours are the same, in setup_context, backward and a
+# jvp's ctx, under every transform; a backward may return that many
+# gradients or more, up to one per input, the rest None (as torch's extra
+# Nones are dropped): KernelSide._run_backward fills the rest with None. Not
+# changed: an op with keyword-only arguments (they may be tensors with
+# gradients, and keep their schema positions in needs_input_grad), and
+# register_vjp's ``needs_input_grad=`` (a bool per input). A default that is
+# a dtype, layout or memory format (stored as an int) ends the trailing run
+# compared, as does a value that is not a plain Python value (a SymInt is
+# never compared: that would guard on it).
+_PLAIN = (bool, int, float, str, torch.device)
+
+
+def trailing_defaults(schema: Any) -> tuple[Any, ...]:
+    """The trailing positional arguments' defaults, last first: NOTE [needs_input_grad counts the arguments passed]."""
+    args = schema.arguments
+    if any(a.kwarg_only for a in args):
+        return ()
+    out = []
+    for a in reversed(args):
+        if not a.has_default_value():
+            break
+        default = a.default_value
+        if default is not None and (
+            any(kind in str(a.real_type) for kind in ("ScalarType", "Layout", "MemoryFormat"))
+            or not isinstance(default, (*_PLAIN, list))
+        ):
+            break
+        out.append(default)
+    return tuple(out)
+
+
+def num_passed(inputs: tuple[Any, ...], defaults: tuple[Any, ...]) -> int:
+    """How many of ``inputs`` torch passes: the trailing ones equal to ``defaults`` (last first) left out."""
+    n = len(inputs)
+    for default in defaults:
+        if not _is_default(inputs[n - 1], default):
+            break
+        n -= 1
+    return n
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default is None or value is None:
+        return value is default
+    if type(value) is not type(default):
+        return False
+    if type(value) is list:
+        return len(value) == len(default) and all(
+            type(v) is type(d) and type(v) in _PLAIN and v == d for v, d in zip(value, default)
+        )
+    return bool(value == default)
+
+
 def check_saveable(method: str, tensors: tuple[Any, ...]) -> None:
     for i, t in enumerate(tensors):
         if t is not None and not isinstance(t, torch.Tensor):

@@ -345,7 +345,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         """
         if not callable(fn):
             raise TypeError(f"{self._qualname}.register_fake: expected a callable, got {type(fn).__name__}.")
-        super().register_fake(fn)
+        _warn.call_warning_at_caller(super().register_fake, fn)  # NOTE [torch's warnings point at the user's line]
         self._set_fake_source(_user_source())
         _vjp_check.forget_checks(self)  # fwd's output is checked against the new fake kernel
         _compile.refresh_cache_key(self)

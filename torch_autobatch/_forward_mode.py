@@ -29,7 +29,8 @@ def run_jvp(
     tangents: tuple[Any, ...],
     needs_input_grad: tuple[bool, ...],
 ) -> tuple[Any, ...]:
-    ctx = BackwardContext(needs_input_grad)
+    # NOTE [needs_input_grad counts the arguments passed] (_autograd.py): as the backward's ctx.
+    ctx = BackwardContext(op._needs_as_passed(inputs, needs_input_grad))
     output = outputs[0] if op._ab.num_returns == 1 else outputs
     setup, kwonly = (
         (op._ab.jvp_setup_context_fn, op._ab.jvp_setup_context_kwonly)

@@ -10,6 +10,7 @@ rename on either side fails a test rather than a kernel at run time.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -70,6 +71,7 @@ class OpExtras:
         "vjp_bwd",
         "vjp_bwd_takes_needs_input_grad",
         "vjp_checked",
+        "trailing_defaults",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -93,6 +95,9 @@ class OpExtras:
         self.vjp_bwd_takes_needs_input_grad = False
         #: The input keys whose fwd output was checked: NOTE [fwd returns what the op returns].
         self.vjp_checked: dict[Any, bool] = {}
+        #: The trailing positional defaults, last first, once known (NOTE
+        #: [needs_input_grad counts the arguments passed] in _autograd.py).
+        self.trailing_defaults: Optional[tuple[Any, ...]] = None
 
 
 class KernelSide:
@@ -193,11 +198,23 @@ class KernelSide:
         self, inputs: tuple[Any, ...], output: Any, needs_input_grad: tuple[bool, ...]
     ) -> BackwardContext:
         ctx = object.__new__(BackwardContext)
+        defaults = self._ab.trailing_defaults
+        if defaults is None or defaults:  # NOTE [needs_input_grad counts the arguments passed]
+            needs_input_grad = self._needs_as_passed(inputs, needs_input_grad)
         ctx.needs_input_grad = needs_input_grad
         setup = self._setup_context_fn
         if setup is not None:
             self._call_setup_context(setup, self._ab.setup_context_kwonly, ctx, inputs, output)
         return ctx
+
+    def _needs_as_passed(self, inputs: tuple[Any, ...], needs_input_grad: tuple[bool, ...]) -> tuple[bool, ...]:
+        """``needs_input_grad`` as torch.library sizes it (NOTE [needs_input_grad counts the arguments passed])."""
+        ab = self._ab
+        if ab.trailing_defaults is None:
+            ab.trailing_defaults = trailing_defaults(self._opoverload._schema)
+        if not ab.trailing_defaults or ab.vjp_fwd is not None:
+            return needs_input_grad
+        return needs_input_grad[: num_passed(inputs, ab.trailing_defaults)]
 
     def _run_backward(self, ctx: BackwardContext, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """Calls the user's backward; the C++ node checks what it returns.
@@ -205,7 +222,9 @@ class KernelSide:
         The node has made its saved tensors ``ctx.saved_tensors`` for this
         call (NOTE [Saved tensors belong to the call] in csrc/grad_node.cpp).
         As torch.library allows, a backward may return one gradient per
-        positional input only (keyword-only inputs then get None).
+        positional input only (keyword-only inputs then get None), or one per
+        entry of ``ctx.needs_input_grad`` or more (the inputs left to their
+        defaults then get None: NOTE [needs_input_grad counts the arguments passed]).
         """
         backward = self._backward_fn
         if backward is None:
@@ -220,6 +239,10 @@ class KernelSide:
         kwarg_only = self._ab.kwarg_only
         if kwarg_only and self._ab.positional_grads_ok and len(result) == len(ctx.needs_input_grad) - len(kwarg_only):
             result += (None,) * len(kwarg_only)
+        elif self._ab.trailing_defaults and len(ctx.needs_input_grad) <= len(result) < (
+            n := len(self._opoverload._schema.arguments)
+        ):
+            result += (None,) * (n - len(result))
         return result
 
     def _verify_vjp_fwd(
