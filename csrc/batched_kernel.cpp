@@ -347,7 +347,7 @@ class BatchedKernel final : public c10::OperatorKernel {
         if (!lacks_a_level(t)) {
           return t;
         }
-        auto buffer = like.new_empty(t.sizes(), t.options());
+        auto buffer = like.new_empty_symint(t.sym_sizes(), t.options());
         buffer.copy_(t);
         return buffer;
       });
