@@ -17,6 +17,7 @@ import torch
 
 from . import _C
 from ._autograd import BackwardContext, check_saveable
+from ._rule_tangents import rule_tangents
 
 if TYPE_CHECKING:
     from ._kernel_side import KernelSide
@@ -58,7 +59,14 @@ def _call_jvp(jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...]) -> A
 def composite_tangents(
     op: KernelSide, positional: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Optional[torch.Tensor], ...]:
-    """Forward-mode AD of the op's own function on dual inputs: the output tangents."""
+    """Forward-mode AD of the op's own function on dual inputs: the output tangents.
+
+    Or of its vmap rule, where that made the primal: NOTE [Derived tangents
+    differentiate the vmap rule] (_rule_tangents.py).
+    """
+    from_rule = rule_tangents(op, positional, kwargs)
+    if from_rule is not None:
+        return from_rule
     try:
         out = op._init_fn(*positional, **kwargs)
     except (RuntimeError, NotImplementedError) as e:
