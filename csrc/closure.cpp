@@ -14,7 +14,8 @@
 // tensor may have escaped", naming neither the op nor the cause. Both get an
 // error naming the op, the function and the variable, and the fix: pass the
 // tensor as an argument. What is checked: each cell of the functions'
-// closures and each tensor default, one level deep into tuples and lists.
+// closures, each tensor default and each global name that held a tensor when
+// the rule was registered, one level deep into tuples and lists.
 // Only ops whose user code has such cells pay (has_closure); a tensor that is
 // also an argument of the call is the argument's business.
 #include "functorch.h"
@@ -111,6 +112,12 @@ void check_closure(
     if (PyCell_Check(value.ptr())) {
       value = PyCell_GET(value.ptr()); // borrowed; NULL while the cell is empty
       if (value.ptr() == nullptr) {
+        continue;
+      }
+    } else if (PyDict_Check(value.ptr())) { // a module's globals: look the name up now
+      value = PyDict_GetItemWithError(value.ptr(), item[1].ptr()); // borrowed
+      if (value.ptr() == nullptr) {
+        PyErr_Clear();
         continue;
       }
     }

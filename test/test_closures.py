@@ -114,7 +114,39 @@ class TestClosures(TestCase):
             vmap(f)(randn(2, 3, seed=1))
 
 
+# A module-level tensor the op's function reads by name (set per test).
+WEIGHT = torch.ones(3, dtype=torch.float64)
+
+
+def _weighted(x: torch.Tensor) -> torch.Tensor:
+    return x * WEIGHT
+
+
+class TestGlobals(TestCase):
+    def setUp(self) -> None:
+        global WEIGHT
+        WEIGHT = randn(3, seed=1)
+        self.op = torch_autobatch.custom_op(unique_op_name("tab_closures"), _weighted, mutates_args=())
+        self.op.register_autograd(lambda ctx, g: 2 * g * WEIGHT, setup_context=lambda ctx, inputs, output: None)
+
+    @parametrize("transform", ["backward", "grad_vmap"])
+    def test_a_global_tensor_being_differentiated_raises(self, transform: str) -> None:
+        global WEIGHT
+        WEIGHT = WEIGHT.clone().requires_grad_()  # a module-level parameter, say
+        x = randn(2, 3, seed=0)
+        with self.assertRaisesRegex(RuntimeError, r"_weighted closes over 'WEIGHT', a tensor that requires grad"):
+            if transform == "backward":
+                self.op(x[0]).sum().backward()
+            else:
+                vmap(self.op)(x).sum().backward()
+
+    def test_a_global_constant_works(self) -> None:
+        x = randn(3, seed=0)
+        self.assertEqual(grad(lambda x: self.op(x).sum())(x), 2 * WEIGHT)
+
+
 instantiate_parametrized_tests(TestClosures)
+instantiate_parametrized_tests(TestGlobals)
 
 if __name__ == "__main__":
     run_tests()

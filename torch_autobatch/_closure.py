@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def _closure_of(fn: Optional[Callable[..., Any]]) -> list[tuple[str, str, Any]]:
-    """``fn``'s closure cells and tensor defaults, as (function, variable, cell or value)."""
+    """``fn``'s closure cells, tensor defaults and tensor globals, as (function, variable, cell, value or globals)."""
     fn = getattr(fn, "__func__", fn)  # a bound method's function
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -24,6 +24,12 @@ def _closure_of(fn: Optional[Callable[..., Any]]) -> list[tuple[str, str, Any]]:
     for var, value in zip(positional[len(positional) - len(defaults) :], defaults):
         if isinstance(value, torch.Tensor):
             entries.append((name, var, value))
+    # Globals are read by name at each call: the module's dict is handed over,
+    # for the names that hold a tensor now.
+    module_globals = getattr(fn, "__globals__", None) or {}
+    for var in code.co_names:
+        if isinstance(module_globals.get(var), torch.Tensor):
+            entries.append((name, var, module_globals))
     return entries
 
 
