@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""What a lifted ``autograd.Function`` costs (``torch_autobatch.from_function``), against the anchors.
+
+    python benchmarks/bench_lift.py [--batch B] [--min-run-time S] [--rounds N]
+
+The Function is a legacy RMSNorm that saves ``rstd`` (``forward(ctx, x, w,
+eps)``: the shape of a Triton kernel library's), its forward made of torch ops.
+All rows in one process, one thread, median of interleaved rounds.
+
+Per-example gradients, ``vmap(grad(loss))`` over B examples of (64,) rows:
+
+1. the plain function (the same math, differentiated by autograd) under ``vmap(grad)``;
+2. the lifted Function under ``vmap(grad)`` (its forward once on the batch, its backward once);
+3. the original Function, one ``.backward()`` per example (torch.func refuses it);
+4. the same class rewritten with ``setup_context`` and ``generate_vmap_rule=True``, under ``vmap(grad)``.
+
+Unbatched, ``f(x, w, eps)`` with ``x`` requiring grad (forward only), and forward + backward:
+
+5. the original ``Function.apply``;  6. the lifted callable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.utils.benchmark as tbench
+from torch.func import grad, vmap
+
+import torch_autobatch
+
+
+class RowNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):  # type: ignore[no-untyped-def]
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, rstd)
+        return x * rstd * w
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        x, w, rstd = ctx.saved_tensors
+        xhat = x * rstd
+        gw = g * w
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx, dw, None
+
+
+class RowNormGenVmap(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w, eps):  # type: ignore[no-untyped-def]
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return x * rstd * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        x, w, eps = inputs
+        ctx.save_for_backward(x, w, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    backward = RowNorm.backward
+
+
+def plain(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+lifted = torch_autobatch.from_function(RowNorm, name="bench_lift::rownorm")
+
+
+def loop_of_backward(X: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = []
+    for x in X:
+        leaf = x.detach().requires_grad_()
+        RowNorm.apply(leaf, w, 1e-5).sum().backward()
+        out.append(leaf.grad)
+    return torch.stack(out)
+
+
+def measure(rows: dict[str, tbench.Timer], rounds: int, min_run_time: float) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    for r in range(rounds):
+        order = list(rows)[r % len(rows) :] + list(rows)[: r % len(rows)]
+        for k in order:
+            times[k].append(rows[k].blocked_autorange(min_run_time=min_run_time).median)
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--min-run-time", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    X, w = torch.randn(args.batch, 64), torch.randn(64)
+
+    def per_example(f):  # type: ignore[no-untyped-def]
+        return vmap(grad(lambda x: f(x, w, 1e-5).sum()))
+
+    expected = loop_of_backward(X, w)
+    for f in (plain, lifted, RowNormGenVmap.apply):
+        torch.testing.assert_close(per_example(f)(X), expected)
+    env = {"X": X, "w": w, "per_example": per_example, "loop": loop_of_backward}
+    rows = {
+        "1. plain function, vmap(grad)": tbench.Timer("g(X)", globals={**env, "g": per_example(plain)}),
+        "2. lifted Function, vmap(grad)": tbench.Timer("g(X)", globals={**env, "g": per_example(lifted)}),
+        "3. original Function, loop of .backward()": tbench.Timer("loop(X, w)", globals=env),
+        "4. generate_vmap_rule=True, vmap(grad)": tbench.Timer(
+            "g(X)", globals={**env, "g": per_example(RowNormGenVmap.apply)}
+        ),
+    }
+    t = measure(rows, args.rounds, args.min_run_time)
+    print(f"per-example gradients, B={args.batch} (torch {torch.__version__}, µs, median of {args.rounds} rounds)")
+    base = t["1. plain function, vmap(grad)"]
+    for k, us in t.items():
+        print(f"  {k:<46} {us:10.1f}  ({us / base:5.2f}x the plain function)")
+
+    x = torch.randn(8, 64, requires_grad=True)
+    unbatched = {
+        "5. Function.apply, forward": tbench.Timer("f(x, w, 1e-5)", globals={"f": RowNorm.apply, "x": x, "w": w}),
+        "6. lifted, forward": tbench.Timer("f(x, w, 1e-5)", globals={"f": lifted, "x": x, "w": w}),
+        "5. Function.apply, forward + backward": tbench.Timer(
+            "f(x, w, 1e-5).sum().backward()", globals={"f": RowNorm.apply, "x": x, "w": w}
+        ),
+        "6. lifted, forward + backward": tbench.Timer(
+            "f(x, w, 1e-5).sum().backward()", globals={"f": lifted, "x": x, "w": w}
+        ),
+    }
+    t = measure(unbatched, args.rounds, args.min_run_time)
+    print("\nunbatched, x: (8, 64) requiring grad (µs per call)")
+    for k, us in t.items():
+        ref = t[k.replace("6. lifted", "5. Function.apply")]
+        print(f"  {k:<46} {us:10.1f}  ({us / ref:5.2f}x Function.apply)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""``autobatch(FunctionClass)`` / ``from_function``: an ``autograd.Function`` class as a torch_autobatch op.
+
+NOTE [Lifting an autograd.Function]
+Kernel libraries ship ``autograd.Function`` classes, most written the legacy
+way (``forward(ctx, *args)`` saving on ``ctx``), which torch.func refuses. A
+class becomes one of our ops, with its own derivatives, without editing it:
+
+- **Legacy** (no ``setup_context``): what ``forward`` leaves on its ``ctx``
+  (saved tensors, attributes, ``mark_non_differentiable``,
+  ``set_materialize_grads``) are its residuals. That is ``register_vjp``'s
+  contract (NOTE [Residuals of register_vjp] in _vjp.py): ``fwd`` runs
+  ``forward`` on a recording ctx and returns (output, residuals); ``bwd``
+  rebuilds a ctx from the residuals and calls ``backward`` on it. ``forward``
+  runs once when differentiated, and the residual tensors are saved by our
+  grad node, so they are batched per level under vmap, version-checked, and
+  differentiated again through ``forward`` for second derivatives.
+- **New-style** (``setup_context``): ``forward(*args)`` is the op's function,
+  ``setup_context``/``backward`` its ``register_autograd`` rule.
+- A ``jvp`` staticmethod becomes ``register_jvp`` (for a legacy class its ctx
+  is rebuilt by running ``forward`` again on a recording ctx: forward mode
+  only), a ``vmap`` staticmethod ``register_vmap``.
+
+``Function.apply`` takes any Python values; a schema does not. Each call's
+arguments are classified (:func:`_kind`: tensor, None, number, string,
+dtype, lists and tuples of those) and each combination of kinds is one
+overload of the op, defined on first use (``torch.ops.ns.name.<kinds>``):
+the schema types are exact, so a compiled or exported graph holds the op
+whole. A tuple comes back to ``forward`` as a tuple (the schema's lists are
+lists). An argument no schema holds (a callable, a module, a config object)
+cannot reach a kernel: such a call runs the class's original ``apply`` where
+no torch.func transform is active (exactly what it did before), and is a
+clear error naming the class and the argument under a transform.
+
+What a combination returns is learned before its overload is defined, by
+running ``forward`` once on meta copies of the arguments (a forward made of
+torch ops runs there and changes nothing); where that fails (the forward
+leaves torch, or reads values), on a copy of one example's real values. The
+meta run also decides ``vmap="auto"``: a forward that ran on meta tensors is
+made of torch ops and is batched by our free rule; one that did not is run
+once per example (``vmap="loop"``), unless the class has a ``vmap`` rule.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ._lift_ctx import _mark_dirty_message, _MarkDirty, _RecordingCtx, _ReplayCtx, _Residuals, _residuals
+from ._lift_kinds import _UNSUPPORTED, _kind, _kind_token, _restore, _schema_type
+
+__all__ = ["LiftedFunction", "autobatch_function", "from_function"]
+
+FunctionClass = type[torch.autograd.Function]
+
+_Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------- classes
+def _defined_by_user(cls: FunctionClass, name: str) -> bool:
+    """Does ``cls`` (or a base of it outside torch.autograd) define ``name``?"""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return not klass.__module__.startswith("torch.autograd")
+    return False
+
+
+def _check_class(cls: Any, api: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(f"torch_autobatch.{api}: expected an autograd.Function subclass, got {cls!r}.")
+    if not _defined_by_user(cls, "forward"):
+        raise TypeError(f"torch_autobatch.{api}({cls.__qualname__}): the class defines no forward.")
+    if not (_defined_by_user(cls, "backward") or _defined_by_user(cls, "vjp")):
+        raise TypeError(
+            f"torch_autobatch.{api}({cls.__qualname__}): the class defines no backward; "
+            f"an autograd.Function without one has nothing for torch_autobatch to honour."
+        )
+
+
+def _is_new_style(cls: FunctionClass) -> bool:
+    return bool(torch.autograd.function._is_setup_context_defined(cls.setup_context))
+
+
+_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
+_NAMES_LOCK = threading.Lock()
+_TAKEN: set[str] = set()
+
+
+def _default_name(cls: FunctionClass) -> str:
+    namespace = _IDENTIFIER.sub("_", cls.__module__).strip("_") or "lifted"
+    name = _IDENTIFIER.sub("_", cls.__qualname__.replace(".<locals>.", "_"))
+    return f"{namespace}::{name}"
+
+
+def _unique(qualname: str) -> str:
+    with _NAMES_LOCK:
+        candidate, n = qualname, 1
+        while candidate in _TAKEN or _defined(candidate):
+            n += 1
+            candidate = f"{qualname}_{n}"
+        _TAKEN.add(candidate)
+    return candidate
+
+
+def _defined(qualname: str) -> bool:
+    """Does an operator of this name exist already (any overload)?"""
+    return bool(torch._C._jit_get_schemas_for_operator(qualname))
+
+
+# --------------------------------------------------------------------- probe
+class _Probe(NamedTuple):
+    num_outputs: int
+    returns_tuple: bool
+    torch_ops: bool  # forward ran on meta tensors
+
+
+def _one_example(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of one example of ``t``'s values (functorch wrappers peeled, batch dims indexed at 0)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            bdim = functorch.maybe_get_bdim(t)
+            t = functorch.get_unwrapped(t).select(bdim, 0)
+        else:
+            t = functorch.get_unwrapped(t)
+    return t.detach().clone()
+
+
+def _run_recorded(lifted: LiftedFunction, args: tuple[Any, ...]) -> Any:
+    """``forward`` (and a new-style class's ``setup_context``) on a recording ctx; refuses ``mark_dirty``."""
+    cls = lifted._cls
+    ctx = _RecordingCtx(tuple(isinstance(a, _Tensor) for a in args))
+    if lifted._new_style:
+        out = cls.forward(*args)
+        cls.setup_context(ctx, args, out)
+    else:
+        out = cls.forward(ctx, *args)
+    if ctx.dirty_tensors:
+        raise _MarkDirty(_mark_dirty_message(cls))
+    return out
+
+
+def _probe(lifted: LiftedFunction, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> _Probe:
+    args = _restore(kinds, args)
+
+    def meta(t: Any) -> Any:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, _Tensor) else t
+
+    # Below every torch.func level (functorch would wrap what the forward makes).
+    torch_ops = True
+    try:
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            out = _run_recorded(lifted, pytree.tree_map(meta, args))
+    except _MarkDirty:
+        raise
+    except Exception:  # noqa: BLE001  (any failure: the forward does not run on meta tensors)
+        torch_ops = False
+        try:
+            with torch.no_grad(), torch._C._DisableFuncTorch():
+                out = _run_recorded(lifted, pytree.tree_map_only(_Tensor, _one_example, args))
+        except _MarkDirty:
+            raise
+        except Exception as e:
+            raise RuntimeError(
+                f"torch_autobatch: {lifted._cls.__qualname__}.forward failed when run on one example of "
+                f"the call's arguments (to learn what it returns before defining its op): {e}"
+            ) from e
+    outs = out if isinstance(out, tuple) else (out,)
+    if not outs or not all(isinstance(o, _Tensor) for o in outs):
+        raise TypeError(
+            f"torch_autobatch: {lifted._cls.__qualname__}.forward returned "
+            f"{type(out).__name__ if not isinstance(out, tuple) else tuple(type(o).__name__ for o in outs)}; "
+            f"a lifted autograd.Function must return a tensor or a tuple of tensors (an operator "
+            f"returns tensors). Return the other values from a wrapper around apply."
+        )
+    return _Probe(len(outs), isinstance(out, tuple), torch_ops)
+
+
+# -------------------------------------------------------------- the callable
+class LiftedFunction:
+    """An ``autograd.Function`` class as torch_autobatch ops: call it as ``FunctionClass.apply``.
+
+    Made by :func:`torch_autobatch.from_function` (and used by
+    ``torch_autobatch.autobatch(FunctionClass)``). Each combination of
+    argument kinds (tensors, None, numbers, strings, dtypes, lists/tuples of
+    those) is one overload of the operator ``torch.ops.<ns>.<name>``, defined
+    on first use; :attr:`ops` lists those defined so far.
+    """
+
+    def __init__(self, cls: FunctionClass, qualname: str, vmap: str, compile: str) -> None:
+        self._cls: FunctionClass = cls
+        self._qualname = qualname
+        self._vmap = vmap
+        self._compile = compile
+        self._new_style = _is_new_style(cls)
+        self._forward = cls.forward
+        self._signature = _apply_signature(cls)
+        self._ops: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()
+        self.__name__ = cls.__name__
+        self.__qualname__ = cls.__qualname__
+        self.__doc__ = cls.__doc__
+        self.__wrapped__ = cls
+
+    @property
+    def ops(self) -> dict[str, Any]:
+        """The overloads defined so far, by overload name (each a :class:`torch_autobatch.CustomOpDef`)."""
+        return {op._opoverload._overloadname: op for op, _ in self._ops.values()}
+
+    @property
+    def function_class(self) -> FunctionClass:
+        """The ``autograd.Function`` class this runs."""
+        return self._cls
+
+    def __repr__(self) -> str:
+        return f"<torch_autobatch lifted {self._cls.__module__}.{self._cls.__qualname__} as {self._qualname}>"
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        sig = self._signature
+        if sig is None:
+            if kwargs:
+                raise TypeError(f"{self._cls.__qualname__}.apply takes no keyword arguments (forward has *args).")
+            return args
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self._cls.__qualname__}.apply: {e}") from None
+        bound.apply_defaults()
+        return bound.args
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or self._signature is None or len(args) != self._nparams:
+            args = self._bind(args, kwargs)
+        kinds = tuple(map(_kind, args))
+        entry = self._ops.get(kinds)
+        if entry is None:
+            if _UNSUPPORTED in kinds:
+                return self._unsupported(kinds, args)
+            entry = self._define(kinds, args)
+        op, returns_1_tuple = entry
+        out = op(*args)
+        return (out,) if returns_1_tuple else out
+
+    @property
+    def _nparams(self) -> int:
+        return len(self._signature.parameters) if self._signature is not None else -1
+
+    def _unsupported(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        names = (
+            list(self._signature.parameters)
+            if self._signature is not None
+            else [f"args[{i}]" for i in range(len(args))]
+        )
+        bad = [
+            (names[i] if i < len(names) else f"args[{i}]", type(a).__name__)
+            for i, (k, a) in enumerate(zip(kinds, args))
+            if k is _UNSUPPORTED
+        ]
+        if not torch._C._are_functorch_transforms_active():
+            return torch.autograd.Function.apply.__func__(self._cls, *args)  # type: ignore[attr-defined]
+        what = ", ".join(f"{n} ({t})" for n, t in bad)
+        raise TypeError(
+            f"torch_autobatch: {self._cls.__qualname__}.apply was called under a torch.func transform with "
+            f"{what}, which no operator schema can hold (tensors, None, numbers, strings, dtypes, devices "
+            f"and lists/tuples of those can). Pass the object's tensors and numbers as arguments, or close "
+            f"over it: make a function of the tensors that calls apply with it, and decorate that with "
+            f"torch_autobatch.custom_op."
+        )
+
+    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, bool]:
+        probe = _probe(self, kinds, args)
+        with self._lock:
+            entry = self._ops.get(kinds)
+            if entry is None:
+                entry = (_define_overload(self, kinds, probe), probe.returns_tuple and probe.num_outputs == 1)
+                self._ops[kinds] = entry
+        return entry
+
+
+def _apply_signature(cls: FunctionClass) -> Optional[inspect.Signature]:
+    """``apply``'s signature: ``forward``'s, less ``ctx`` for a legacy class; None for ``*args``."""
+    sig = inspect.signature(cls.forward)
+    params = list(sig.parameters.values())
+    if not _is_new_style(cls):
+        params = params[1:]  # ctx
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return sig.replace(parameters=params)
+
+
+# ------------------------------------------------------------- one overload
+def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Probe) -> Any:
+    from ._custom_op import CustomOpDef, custom_op  # noqa: F401  (import cycle: _upgrade imports us)
+
+    cls = lifted._cls
+    sig = lifted._signature
+    names = list(sig.parameters) if sig is not None else [f"arg{i}" for i in range(len(kinds))]
+    names = [n if n not in ("self", "out") else f"{n}_" for n in names]
+    overload = "_".join(_kind_token(k) for k in kinds) or "noargs"
+    returns = "Tensor" if probe.num_outputs == 1 else "(" + ", ".join(["Tensor"] * probe.num_outputs) + ")"
+    schema = "(" + ", ".join(f"{_schema_type(k)} {n}" for k, n in zip(kinds, names)) + ") -> " + returns
+    vmap = lifted._vmap
+    if vmap == "auto" and not probe.torch_ops and not _defined_by_user(cls, "vmap"):
+        vmap = "loop"
+    new_style = lifted._new_style
+    forward = lifted._forward
+    n_in = len(kinds)
+
+    def fwd(*args: Any) -> tuple[Any, _Residuals]:
+        real = _restore(kinds, args)
+        ctx = _RecordingCtx(tuple(isinstance(a, _Tensor) for a in real))
+        out = forward(ctx, *real)
+        outs = _fresh(out if isinstance(out, tuple) else (out,), real)
+        if ctx.dirty_tensors:
+            raise _MarkDirty(_mark_dirty_message(cls))
+        return (outs[0] if probe.num_outputs == 1 else outs), _residuals(ctx, outs, real)
+
+    def function(*args: Any) -> Any:
+        if new_style:
+            real = _restore(kinds, args)
+            out = forward(*real)
+            outs = _fresh(out if isinstance(out, tuple) else (out,), real)
+            return outs[0] if probe.num_outputs == 1 else outs
+        return fwd(*args)[0]
+
+    function.lifted_class = cls  # type: ignore[attr-defined]  # (error messages name the class)
+    function.__name__ = cls.__name__
+    function.__qualname__ = cls.__qualname__
+    function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    )
+    op = custom_op(
+        f"{lifted._qualname}.{overload}", function, mutates_args=(), schema=schema, vmap=vmap, compile=lifted._compile
+    )
+    backward = cls.backward if _defined_by_user(cls, "backward") else cls.vjp
+    if new_style:
+        op.register_autograd(_counted(backward, n_in), setup_context=cls.setup_context)
+        if _defined_by_user(cls, "jvp"):
+            op.register_jvp(cls.jvp, setup_context=cls.setup_context)
+    else:
+
+        def bwd(residuals: _Residuals, *grads: Any, needs_input_grad: tuple[bool, ...]) -> Any:
+            ctx = _ReplayCtx(residuals.saved, residuals.attributes, needs_input_grad)
+            out = _count(backward(ctx, *grads), n_in, cls)
+            # autograd casts a Function's gradient to its input's dtype (an AMP forward that cast its inputs)
+            return tuple(
+                g.to(dtype) if isinstance(g, _Tensor) and dtype is not None and g.dtype != dtype else g
+                for g, dtype in zip(out, residuals.input_dtypes)
+            )
+
+        op.register_vjp(fwd, bwd)
+        op._ab.vjp_setup_hook = _apply_marks
+        op._ab.vjp_fwd_is_function = True  # the function is fwd's output: nothing to check
+        if _defined_by_user(cls, "jvp"):
+            op.register_jvp(_legacy_jvp(cls.jvp), setup_context=_legacy_jvp_setup_context(fwd))
+    if _defined_by_user(cls, "vmap"):
+        op.register_vmap(cls.vmap)
+    return op
+
+
+def _apply_marks(ctx: Any, output: Any, residuals: _Residuals) -> None:
+    """``mark_non_differentiable`` / ``set_materialize_grads`` as the legacy forward called them."""
+    if residuals.non_differentiable:
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.mark_non_differentiable(*(outs[i] for i in residuals.non_differentiable))
+    if not residuals.materialize_grads:
+        ctx.set_materialize_grads(False)
+
+
+def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An operator's outputs are new tensors: a forward that returns an input (or a view of one) returns a copy."""
+    inputs = [a for a in args if isinstance(a, _Tensor)]
+    if not inputs:
+        return outs
+    # (below autograd a view has no _base: compare storages)
+    is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
+    return tuple(o.clone() if any(o is a or is_alias_of(o, a) for a in inputs) else o for o in outs)
+
+
+def _count(grads: Any, n_in: int, cls: FunctionClass) -> Any:
+    """One gradient per input, as autograd.Function allows: a lone tensor, and trailing Nones beyond the inputs."""
+    if not isinstance(grads, tuple):
+        grads = (grads,)
+    if len(grads) > n_in:
+        if any(g is not None for g in grads[n_in:]):
+            raise RuntimeError(
+                f"torch_autobatch: {cls.__qualname__}.backward returned {len(grads)} gradients, but "
+                f"apply was called with {n_in} arguments (extra ones may only be None)."
+            )
+        grads = grads[:n_in]
+    return grads
+
+
+def _counted(backward: Callable[..., Any], n_in: int) -> Callable[..., Any]:
+    def counted(ctx: Any, *grads: Any) -> Any:
+        return _count(backward(ctx, *grads), n_in, type(ctx))
+
+    counted.__qualname__ = getattr(backward, "__qualname__", "backward")
+    return counted
+
+
+def _legacy_jvp(jvp: Callable[..., Any]) -> Callable[..., Any]:
+    def run(ctx: Any, *tangents: Any) -> Any:
+        return jvp(ctx.replay, *tangents)
+
+    run.__qualname__ = getattr(jvp, "__qualname__", "jvp")
+    return run
+
+
+def _legacy_jvp_setup_context(fwd: Callable[..., Any]) -> Callable[..., None]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        # The forward's ctx for a legacy jvp: forward runs again, on a
+        # recording ctx (forward mode only; reverse mode never pays it).
+        with torch.no_grad():
+            _, residuals = fwd(*inputs)
+        saved = residuals.saved_for_forward if residuals.saved_for_forward is not None else residuals.saved
+        ctx.replay = _ReplayCtx(saved, residuals.attributes, tuple(isinstance(a, _Tensor) for a in inputs))
+
+    return setup_context
+
+
+# --------------------------------------------------------------- public API
+_LIFTED: dict[type, LiftedFunction] = {}
+
+
+def from_function(
+    cls: FunctionClass, /, *, name: Optional[str] = None, vmap: str = "auto", compile: str = "fuse"
+) -> LiftedFunction:
+    """An ``autograd.Function`` class as a torch_autobatch operator; the class is not changed.
+
+    Returns a callable with ``cls.apply``'s signature that works under every
+    torch.func transform with the class's own derivatives::
+
+        >>> class Cube(torch.autograd.Function):  # the legacy style torch.func refuses
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x ** 3
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         (x,) = ctx.saved_tensors
+        ...         return grad * 3 * x ** 2
+        >>> cube = torch_autobatch.from_function(Cube, name="doc_from_function::cube")
+        >>> torch.vmap(torch.func.grad(lambda x: cube(x).sum()))(torch.ones(4, 2))
+        tensor([[3., 3.],
+                [3., 3.],
+                [3., 3.],
+                [3., 3.]])
+        >>> torch.ops.doc_from_function.cube.Tensor(torch.ones(2))  # the operator: one overload per argument kinds
+        tensor([1., 1.])
+
+    Args:
+        cls: the ``autograd.Function`` subclass, legacy (``forward(ctx, ...)``)
+            or with ``setup_context``.
+        name: ``"ns::name"``: the operator is ``torch.ops.ns.name``, with one
+            overload per combination of argument kinds it is called with
+            (``Tensor``, ``Tensor_int_None``, ...). Default: from the class's
+            module and name.
+        vmap: ``"auto"`` (default): the class's ``vmap`` staticmethod if it
+            has one; else, if ``forward`` is made of torch ops (it runs on meta
+            tensors), our free batching rule (``forward`` once on the batch);
+            else one call per example. ``"loop"``: always one call per example.
+        compile: as in :func:`torch_autobatch.custom_op`.
+    """
+    from . import _compile
+
+    _check_class(cls, "from_function")
+    if vmap not in ("auto", "loop"):
+        raise ValueError(
+            f"torch_autobatch.from_function({cls.__qualname__}): vmap must be 'auto' or 'loop', got {vmap!r}."
+        )
+    if compile not in _compile.COMPILE_MODES:
+        raise ValueError(
+            f"torch_autobatch.from_function({cls.__qualname__}): compile must be 'fuse' or 'opaque', got {compile!r}."
+        )
+    if name is None:
+        qualname = _unique(_default_name(cls))
+    else:
+        if "::" not in name or "." in name:
+            raise ValueError(
+                f"torch_autobatch.from_function({cls.__qualname__}): name must be 'namespace::name' "
+                f"(no overload: each combination of argument kinds is one), got {name!r}."
+            )
+        with _NAMES_LOCK:
+            if name in _TAKEN:
+                raise ValueError(f"torch_autobatch.from_function: the name {name!r} is taken by another lifted class.")
+            _TAKEN.add(name)
+        qualname = name
+    return LiftedFunction(cls, qualname, vmap, compile)
+
+
+def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: str = "fuse") -> FunctionClass:
+    """``torch_autobatch.autobatch(FunctionClass)``: ``FunctionClass.apply`` becomes the lifted op, in place.
+
+    NOTE [Lifting in place]
+    ``apply`` is replaced on the class itself (a classmethod in its own
+    ``__dict__``), so every call site, inside the library too, gets the op;
+    ``del FunctionClass.apply`` undoes it (``autograd.Function.apply`` is
+    inherited again). A subclass of the class keeps torch's ``apply`` for
+    itself (its ``forward`` is another function). A second call is a no-op.
+    """
+    _check_class(cls, "autobatch")
+    if cls in _LIFTED and "apply" in vars(cls):
+        return cls
+    if "apply" in vars(cls):
+        raise TypeError(
+            f"torch_autobatch.autobatch({cls.__qualname__}): the class defines its own apply, which "
+            f"autobatch would replace; use torch_autobatch.from_function({cls.__qualname__}) and call "
+            f"what it returns instead."
+        )
+    lifted = _LIFTED.get(cls) or from_function(cls, vmap=vmap, compile=compile)
+    _LIFTED[cls] = lifted
+    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+
+    def apply(klass: type, *args: Any, **kwargs: Any) -> Any:
+        if klass is not cls:  # a subclass: its own forward
+            return original(klass, *args, **kwargs)
+        return lifted(*args, **kwargs)
+
+    apply.__wrapped__ = original  # type: ignore[attr-defined]
+    apply.lifted = lifted  # type: ignore[attr-defined]
+    cls.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    return cls

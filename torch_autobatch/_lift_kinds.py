@@ -1,0 +1,124 @@
+"""Arguments of a lifted ``autograd.Function``: each one's kind, and the schema type that holds it.
+
+NOTE [Lifting an autograd.Function] (_lift.py): each combination of kinds is one overload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+_Tensor = torch.Tensor
+_NoneType = type(None)
+
+# Kinds of arguments, with the schema type each becomes. A list or tuple kind
+# is a (container, element kind) pair.
+_SCALAR_SCHEMA = {
+    "Tensor": "Tensor",
+    "None": "Tensor?",
+    "bool": "bool",
+    "int": "SymInt",
+    "float": "float",
+    "str": "str",
+    "dtype": "ScalarType",
+    "device": "Device",
+    "layout": "Layout",
+    "memory_format": "MemoryFormat",
+}
+_LIST_SCHEMA = {
+    "Tensor": "Tensor[]",
+    "Tensor?": "Tensor?[]",
+    "bool": "bool[]",
+    "int": "SymInt[]",
+    "float": "float[]",
+}
+_EXACT_KINDS: dict[type, str] = {
+    _Tensor: "Tensor",
+    torch.nn.Parameter: "Tensor",
+    _NoneType: "None",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    torch.dtype: "dtype",
+    torch.device: "device",
+    torch.layout: "layout",
+    torch.memory_format: "memory_format",
+}
+_CONTAINERS: dict[type, str] = {list: "list", tuple: "tuple", torch.Size: "size"}
+_UNSUPPORTED = None  # the kind of a value no schema holds
+
+
+def _scalar_kind(value: Any) -> Optional[str]:
+    kind = _EXACT_KINDS.get(type(value))
+    if kind is not None:
+        return kind
+    if isinstance(value, _Tensor):
+        return "Tensor"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    return _UNSUPPORTED
+
+
+def _kind(value: Any) -> Any:
+    """The kind of one argument: a string, a (container, element kind) pair, or None (no schema holds it)."""
+    kind = _EXACT_KINDS.get(type(value))
+    if kind is not None:
+        return kind
+    container = _CONTAINERS.get(type(value))
+    if container is None:
+        for base, name in _CONTAINERS.items():
+            if isinstance(value, base) and not hasattr(value, "_fields"):  # a namedtuple has meaning
+                container = name
+                break
+        else:
+            return _scalar_kind(value)
+    elements = {_scalar_kind(v) for v in value}
+    if _UNSUPPORTED in elements:
+        return _UNSUPPORTED
+    if not elements:
+        element = "int"  # an empty list: any list type holds it
+    elif elements == {"Tensor"}:
+        element = "Tensor"
+    elif elements <= {"Tensor", "None"}:
+        element = "Tensor?"
+    elif elements == {"bool"}:
+        element = "bool"
+    elif elements == {"int"}:
+        element = "int"
+    elif elements <= {"int", "float"}:
+        element = "float"
+    else:
+        return _UNSUPPORTED
+    return (container, element)
+
+
+def _schema_type(kind: Any) -> str:
+    return _SCALAR_SCHEMA[kind] if isinstance(kind, str) else _LIST_SCHEMA[kind[1]]
+
+
+def _kind_token(kind: Any) -> str:
+    if isinstance(kind, str):
+        return kind
+    container, element = kind
+    return f"{container}_{element.replace('?', 'opt')}"
+
+
+def _restore(kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments as ``forward`` was given them: a tuple (or torch.Size) again where the schema made a list."""
+    out = list(args)
+    for i, kind in enumerate(kinds):
+        if not isinstance(kind, str):
+            container = kind[0]
+            if container == "tuple":
+                out[i] = tuple(out[i])
+            elif container == "size":
+                out[i] = torch.Size(out[i])
+            elif kind[1] == "float":  # a float list of ints and floats: the ints stay ints
+                pass
+    return tuple(out)
