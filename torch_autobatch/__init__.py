@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 # test/test_import.py checks, in a fresh process, that none of them is imported.
 from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
+from ._lift import LiftedFunction, from_function
 from ._trace_fx import TraceGraphs
 from ._tracer import Trace, current_trace, trace
 from ._upgrade import autobatch
@@ -55,5 +56,7 @@ __all__ = [
     "TraceGraphs",
     "current_trace",
     "custom_op",
+    "from_function",
+    "LiftedFunction",
     "trace",
 ]

@@ -31,7 +31,7 @@ from torch._library import custom_ops as _torch_custom_ops
 from torch._library import simple_registry
 from torch._library import utils as _library_utils
 
-from . import _C, _closure, _compile, _vjp, _vjp_check, _warn
+from . import _C, _closure, _compile, _subclass, _vjp, _vjp_check, _vmap_presets, _warn
 from ._kernel_side import KernelSide, OpExtras, takes_keyword_only_inputs
 from ._op_identity import OpIdentity
 from ._schema import schema_of
@@ -161,23 +161,23 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         )
         self._ab.setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
         self._ab.registration = _C._register_op(self._qualname, self)
-        # NOTE [Kernels die with their op] (csrc/registration.cpp): torch
-        # destroying the op's Library (a redefinition) takes our kernels too.
-        # The handle holds the op, as torch's own kernels on that Library do
-        # (torch's OPDEFS holds ops weakly): the op lives while its Library does.
+        # NOTE [Kernels die with their op] (csrc/registration.cpp): the handle
+        # holds the op, as torch's kernels on that Library do (OPDEFS is weak).
         self._lib._registration_handles.append(_library_utils.RegistrationHandle(self._destroy_kernels))
+        if _vmap_presets.is_preset(vmap):
+            self._ab.vmap_preset = vmap  # NOTE [vmap presets: the calling convention]
+        self._ab.vmap_loop = vmap == "loop"
         if vmap == "loop":
             self._ab.registration.set_vmap_mode(_C.VmapMode.loop)
-        elif self._vmap_fn is not None:
+        elif self._vmap_fn is not None or self._ab.vmap_preset is not None:
             self._ab.registration.set_vmap_mode(_C.VmapMode.rule)
         _compile.register(self, fuse=compile == "fuse")  # NOTE [Inductor sees the function]
+        _subclass.install(self, "decompose")  # NOTE [Subclasses receive the function]
         _closure.refresh(self)  # NOTE [What the function closes over]
         self.__name__ = self._name
         self.__qualname__ = self._name
         self.__doc__ = self._init_fn.__doc__
-        # functools.wraps(op), which vmap(op) runs on every call, reads
-        # __annotations__: missing, it cost an AttributeError raised and caught
-        # each time (0.7 us).
+        # (functools.wraps(op), run by every vmap(op) call, reads it: 0.7 us if missing)
         self.__annotations__ = getattr(self._init_fn, "__annotations__", {})
 
     def _destroy_kernels(self) -> None:
@@ -185,6 +185,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         self._ab.registration.destroy()
         _compile.unlist_for_inductor(self)
         _compile.unlist_for_torchscript(self)
+        _subclass.uninstall(self)
 
     # The op's function, for introspection (inspect.signature, inspect.unwrap,
     # help()); properties rather than instance attributes, which vmap(op)
@@ -493,11 +494,9 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
     def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
         """The fake kernel: ``register_fake``'s function, or by default the op's own function.
 
-        It never answers a request for register_vjp's residuals: a graph
-        tracer records the op as one node whose outputs are the op's alone,
-        so residuals made here would be fake constants of the graph. The
-        op's ``setup_context`` then runs ``fwd`` itself, where the tracer
-        records it (NOTE [Residuals of register_vjp]).
+        It never answers register_vjp's residual request (they would be fake
+        constants of a traced graph): setup_context runs ``fwd``, recorded
+        (NOTE [Residuals of register_vjp]).
         """
         if self._abstract_fn is not None:
             return self._abstract_fn(*args, **kwargs)
@@ -536,6 +535,7 @@ def custom_op(
     tags: Any = None,
     vmap: str = "auto",
     compile: str = "fuse",
+    subclasses: str = "decompose",
 ) -> Any:
     """Makes a Python function built from torch ops into a dispatcher operator.
 
@@ -567,20 +567,22 @@ def custom_op(
         device_types: device types ``fn`` implements (default: all).
         schema: the schema string (default: inferred from ``fn``'s type hints).
         tags: ``torch.Tag`` s for the op, as in :func:`torch.library.custom_op`.
-        vmap: ``"auto"`` (default): vmap runs ``fn`` once on batched tensors,
-            so each torch op inside is batched by its own rule. ``"loop"``:
-            one call per example, for a ``fn`` that cannot be batched (uses
-            ``.item()``, ``.numpy()``, or Python control flow on tensor values).
-        compile: under ``torch.compile``, ``"fuse"`` (default): Inductor
-            sees the function's torch ops and fuses across them, while the
-            compiled backward (and jvp) are the registered ones.
-            ``"opaque"``: the op stays one call Inductor runs as an extern
-            kernel. ``torch.export`` keeps the op as one node either way.
+        vmap: ``"auto"`` (default): ``fn`` runs once on batched tensors.
+            ``"loop"`` (``"sequential"``): once per example (``.item()``,
+            ``.numpy()``). ``"expand_dims"`` / ``"broadcast_all"``: an opaque
+            kernel (and its rules) called once per vmap level with the batch
+            in a leading dim (docs/api.md, "vmap presets").
+        compile: ``"fuse"`` (default): Inductor fuses the function's torch
+            ops, with the registered rules; ``"opaque"``: one extern call.
+        subclasses: ``"decompose"`` (default): a tensor subclass with no
+            rule for the op (DTensor, a jagged NestedTensor) receives ``fn``'s
+            torch ops below autograd, the registered rules governing;
+            ``"whole"``: it always gets the op whole (docs/api.md, "Tensor subclasses").
     """
-    if vmap not in ("auto", "loop"):
-        raise ValueError(f"torch_autobatch.custom_op({name!r}): vmap must be 'auto' or 'loop', got {vmap!r}.")
+    vmap = _vmap_presets.normalize(f"torch_autobatch.custom_op({name!r})", vmap)
     if compile not in _compile.COMPILE_MODES:
         raise ValueError(f"torch_autobatch.custom_op({name!r}): compile must be 'fuse' or 'opaque', got {compile!r}.")
+    _subclass.check_mode(f"torch_autobatch.custom_op({name!r})", subclasses)
 
     def inner(f: Callable[..., Any]) -> CustomOpDef:
         if "::" not in name:
@@ -590,6 +592,8 @@ def custom_op(
             )
         namespace, opname = name.split("::", 1)
         op_schema = schema_of(name, f, schema, mutates_args, tags)
-        return CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags, compile=compile)
+        op = CustomOpDef(namespace, opname, op_schema, f, device_types, vmap, tags, compile=compile)
+        _subclass.set_mode(op, subclasses)
+        return op
 
     return inner if fn is None else inner(fn)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from . import _C
+from . import _C, _vmap_presets
 from ._autograd import BackwardContext, check_saveable
 from ._rule_tangents import rule_tangents
 
@@ -40,19 +40,21 @@ def run_jvp(
     )
     if setup is not None:
         op._call_setup_context(setup, kwonly, ctx, inputs, output)
-    result = _call_jvp(op._ab.jvp_fn, ctx, tangents)
+    result = _call_jvp(op._ab.jvp_fn, ctx, tangents, op)
     # The C++ side checks every tangent (NOTE [One gate for every user
     # tangent] in csrc/forward_mode.cpp).
     return (result,) if op._ab.num_returns == 1 and not isinstance(result, tuple) else result
 
 
-def _call_jvp(jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...]) -> Any:
+def _call_jvp(jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...], op: KernelSide) -> Any:
     """Calls the user's jvp with what setup_context saved for it."""
     saved = ctx.saved_for_forward
     if saved is None:
         saved = ctx.to_save
         check_saveable("save_for_backward", saved or ())
     ctx.to_save = ctx.saved_for_forward = None
+    if op._ab.vmap_preset is not None:  # NOTE [vmap presets: the calling convention]
+        return _vmap_presets.call_jvp(op, jvp_fn, ctx, saved if saved is not None else (), tangents)
     return _C._call_with_saved_tensors(jvp_fn, ctx, saved if saved is not None else (), *tangents)
 
 
@@ -80,7 +82,12 @@ def composite_tangents(
         raise type(e)(
             f"{e}\ntorch_autobatch: forward-mode AD through {op._qualname} needs the "
             f"forward-mode derivative of its function, which failed (above). "
-            f"Register a jvp with {op._name}.register_jvp(jvp)."
+            + (
+                f"Give {lifted.__qualname__} a jvp staticmethod (jvp(ctx, *input_tangents)), "
+                f"or register one on its op with {op._name}.register_jvp(jvp)."
+                if (lifted := getattr(op._init_fn, "lifted_class", None)) is not None
+                else f"Register a jvp with {op._name}.register_jvp(jvp)."
+            )
         ) from e
     outs = out if isinstance(out, tuple) else (out,)
     flat = [t for o in outs for t in (o if isinstance(o, list) else (o,))]

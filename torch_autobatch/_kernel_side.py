@@ -20,7 +20,7 @@ from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import utils as _library_utils
 
-from . import _compile, _forward_mode, _vjp
+from . import _compile, _forward_mode, _vjp, _vmap_presets
 from ._autograd import BackwardContext, num_passed, trailing_defaults
 from ._vmap_check import checked_rule
 
@@ -71,7 +71,11 @@ class OpExtras:
         "vjp_bwd",
         "vjp_bwd_takes_needs_input_grad",
         "vjp_checked",
+        "vjp_setup_hook",
+        "vjp_fwd_is_function",
+        "vmap_loop",
         "trailing_defaults",
+        "vmap_preset",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -95,9 +99,20 @@ class OpExtras:
         self.vjp_bwd_takes_needs_input_grad = False
         #: The input keys whose fwd output was checked: NOTE [fwd returns what the op returns].
         self.vjp_checked: dict[Any, bool] = {}
+        #: Called as ``hook(ctx, output, residuals)`` in register_vjp's setup_context,
+        #: or None (a lifted legacy Function's ctx marks: NOTE [Lifting an autograd.Function]).
+        self.vjp_setup_hook: Optional[Callable[..., None]] = None
+        #: The op's function is fwd's output itself (a lifted legacy Function):
+        #: nothing to check (NOTE [fwd returns what the op returns]).
+        self.vjp_fwd_is_function = False
+        #: vmap="loop": under vmap, register_vjp's fwd runs once per example too
+        #: (NOTE [fwd per example under vmap="loop"] in _vjp.py).
+        self.vmap_loop = False
         #: The trailing positional defaults, last first, once known (NOTE
         #: [needs_input_grad counts the arguments passed] in _autograd.py).
         self.trailing_defaults: Optional[tuple[Any, ...]] = None
+        #: ``vmap="expand_dims"`` / ``"broadcast_all"``, or None (NOTE [vmap presets: the calling convention]).
+        self.vmap_preset: Optional[str] = None
 
 
 class KernelSide:
@@ -125,8 +140,9 @@ class KernelSide:
         """The register_vmap rule on the batched arguments, by torch's helper; one value per return."""
         # Called by the batched kernel with a vmap level on top, and only
         # when register_vmap set the rule (VmapMode.rule).
+        if self._vmap_fn is None:  # NOTE [vmap presets: the calling convention]
+            return _vmap_presets.run_forward(self, positional, kwargs)
         interpreter = retrieve_current_functorch_interpreter()
-        assert self._vmap_fn is not None
         out = custom_function_call_vmap_helper(
             interpreter,  # type: ignore[arg-type]  # a VmapInterpreter here
             functools.partial(checked_rule, self._qualname, self._vmap_fn),  # NOTE [A vmap rule's return is checked]
@@ -138,7 +154,9 @@ class KernelSide:
 
     def _dissolves_in_trace(self) -> bool:
         """Vmap under a graph tracer: may the op's function stand for it (NOTE [A trace keeps the op])?"""
-        return _compile.dissolves_in_trace(self._opoverload)
+        # A preset calls the op itself, once per level: the trace keeps it.
+        preset = self._ab.vmap_preset is not None and self._vmap_fn is None
+        return preset or _compile.dissolves_in_trace(self._opoverload)
 
     def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""
@@ -233,7 +251,10 @@ class KernelSide:
                 f"{self._name}.register_autograd(backward, setup_context=setup_context) "
                 f"to differentiate through it."
             )
-        result = backward(ctx, *grads)
+        if self._ab.vmap_preset is None:
+            result = backward(ctx, *grads)
+        else:  # NOTE [vmap presets: the calling convention]
+            result = _vmap_presets.call_backward(self, backward, ctx, grads)
         if not isinstance(result, tuple):
             result = (result,)
         kwarg_only = self._ab.kwarg_only

@@ -26,16 +26,17 @@ under every transform), ops without a backend kernel.
 
 from __future__ import annotations
 
-from typing import Any, Union, cast
+from typing import Any, TypeVar, Union, cast, overload
 
 import torch
 from torch._library import custom_ops as _torch_custom_ops
 from torch._library import utils as _library_utils
 
-from . import _compile
+from . import _compile, _lift, _subclass, _vmap_presets
 from ._custom_op import CustomOpDef
 from ._schema import check_schema
 
+FunctionClass = TypeVar("FunctionClass", bound=type)
 Operator = Union[_torch_custom_ops.CustomOpDef, torch._ops.OpOverload, torch._ops.OpOverloadPacket, str]
 
 
@@ -64,7 +65,13 @@ def _refuse(qualname: str, why: str) -> None:
     raise ValueError(f"torch_autobatch.autobatch({qualname!r}): {why}")
 
 
-def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> CustomOpDef:
+@overload
+def autobatch(op: FunctionClass, /, *, vmap: str = "auto", compile: str = "fuse") -> FunctionClass: ...
+@overload
+def autobatch(
+    op: Operator, /, *, vmap: str = "auto", compile: str = "fuse", subclasses: str = "decompose"
+) -> CustomOpDef: ...
+def autobatch(op: Any, /, *, vmap: str = "auto", compile: str = "fuse", subclasses: str = "decompose") -> Any:
     """Gives an existing operator torch_autobatch's kernels, in place; returns it as a :class:`CustomOpDef`.
 
     For an operator made with :func:`torch.library.custom_op` (say, by a
@@ -89,11 +96,21 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
     Args:
         op: the operator: its ``CustomOpDef``, ``torch.ops.ns.name`` (or its
             ``.default``), or ``"ns::name"``.
-        vmap: as in :func:`custom_op`: ``"auto"`` or ``"loop"``.
+        vmap: as in :func:`custom_op`: ``"auto"``, ``"loop"`` (``"sequential"``),
+            ``"expand_dims"`` or ``"broadcast_all"``.
         compile: as in :func:`custom_op`: ``"fuse"`` or ``"opaque"``.
+        subclasses: as in :func:`custom_op`: ``"decompose"`` or ``"whole"``
+            (for an operator; a lifted ``autograd.Function`` always
+            decomposes on subclasses, as the Function ran on them).
     """
-    if vmap not in ("auto", "loop"):
-        raise ValueError(f"torch_autobatch.autobatch: vmap must be 'auto' or 'loop', got {vmap!r}.")
+    _subclass.check_mode("torch_autobatch.autobatch", subclasses)
+    if isinstance(op, type) and issubclass(op, torch.autograd.Function):
+        if subclasses != "decompose":
+            raise ValueError(
+                "torch_autobatch.autobatch: subclasses='whole' is for operators, not an autograd.Function."
+            )
+        return _lift.autobatch_function(op, vmap=vmap, compile=compile)  # NOTE [Lifting in place]
+    vmap = _vmap_presets.normalize("torch_autobatch.autobatch", vmap)
     if compile not in _compile.COMPILE_MODES:
         raise ValueError(f"torch_autobatch.autobatch: compile must be 'fuse' or 'opaque', got {compile!r}.")
     qualname = _qualname(op)
@@ -117,6 +134,7 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
         opdef.__class__ = CustomOpDef
         ours = cast(CustomOpDef, opdef)
         ours._install(vmap, compile)
+        _subclass.set_mode(ours, subclasses)
         return ours
 
     _check_library_op(qualname)
@@ -129,7 +147,9 @@ def autobatch(op: Operator, /, *, vmap: str = "auto", compile: str = "fuse") -> 
         )
 
     kernel_not_visible.__qualname__ = name
-    return CustomOpDef(namespace, name, schema, kernel_not_visible, None, vmap, define=False, compile=compile)
+    made = CustomOpDef(namespace, name, schema, kernel_not_visible, None, vmap, define=False, compile=compile)
+    _subclass.set_mode(made, subclasses)
+    return made
 
 
 def _check_library_op(qualname: str) -> None:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _closure, _compile
+from . import _C, _closure, _compile, _vmap_presets
 from ._vjp_check import check_fwd_output, forget_checks, fwd_name
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def verify(
             f"of structure {pytree.tree_structure(out)}, but the op returns {n} value(s) "
             f"({op._opoverload._schema.returns}). Return them as the op's function does."
         )
-    if check:
+    if check and not op._ab.vjp_fwd_is_function:
         check_fwd_output(op, args, kwargs, outs, keyed=keyed)
 
 
@@ -103,14 +103,20 @@ def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
 def _setup_context(op: CustomOpDef) -> Callable[..., None]:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         answered = op._ab.registration.current_residuals()
-        if answered is not None:
+        if op._ab.vmap_preset is not None and op._vmap_fn is None:
+            # fwd is opaque too (NOTE [vmap presets: the calling convention]).
+            residuals = _vmap_presets.vjp_residuals(op, inputs, answered)
+        elif answered is not None:
             (residuals,) = answered
         else:
             # The op's output came from elsewhere (a register_vmap rule, the
             # fake kernel, a kernel registered by name): fwd runs now.
             positional, kwargs = op._split_args(inputs)
             with torch.no_grad():
-                _, residuals = run_fwd(op, positional, kwargs)
+                if op._ab.vmap_loop:
+                    residuals = _residuals_per_example(op, positional, kwargs)
+                else:
+                    _, residuals = run_fwd(op, positional, kwargs)
         # The tensor inputs are saved too, for a backward that is itself
         # differentiated (NOTE [Second derivatives through residuals]); a
         # residual that is an input (fwd saw it below the levels) shares the
@@ -118,6 +124,9 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
         # the call's _VjpCall (how to rebuild both); setting to_save is what
         # save_for_backward does, a frame less.
         ctx.to_save, ctx.vjp_call = _C._vjp_save(inputs, residuals)
+        hook = op._ab.vjp_setup_hook
+        if hook is not None:
+            hook(ctx, output, residuals)
 
     return setup_context
 
@@ -138,6 +147,78 @@ def _backward(op: CustomOpDef) -> Callable[..., Any]:
         return ab.vjp_bwd(residuals, *grads)
 
     return backward
+
+
+def _peel(t: Any) -> Any:
+    """``t`` without the torch.func grad/jvp wrappers around its vmap levels (setup_context runs fwd below autograd)."""
+    functorch = torch._C._functorch
+    while (
+        isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t) and not functorch.is_batchedtensor(t)
+    ):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def _residuals_per_example(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fwd``'s residuals for a batched call of a vmap="loop" op: fwd once per example, residuals stacked.
+
+    NOTE [fwd per example under vmap="loop"]
+    A vmap="loop" op's function cannot run on batched tensors (it leaves
+    torch), and neither can its register_vjp ``fwd``. Where setup_context
+    must run fwd itself (the loop answered no residual request), it runs it
+    the way the loop ran the function: per example of the innermost vmap
+    level, recursively for the levels outside it, and stacks each residual
+    tensor into one batched at that level. A Python value in the residuals
+    must be the same for every example (it cannot be batched).
+    """
+    functorch = torch._C._functorch
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat = [_peel(t) for t in flat]
+    levels = [
+        functorch.maybe_get_level(t) for t in flat if isinstance(t, torch.Tensor) and functorch.is_batchedtensor(t)
+    ]
+    if not levels:
+        a, k = pytree.tree_unflatten(flat, spec)
+        return run_fwd(op, a, k)[1]
+    level = max(levels)  # the innermost vmap
+    physical: list[Any] = []
+    size = 0
+    for t in flat:
+        if isinstance(t, torch.Tensor) and functorch.is_batchedtensor(t) and functorch.maybe_get_level(t) == level:
+            value, bdim = functorch._unwrap_batched(t, level)
+            assert bdim is not None  # batched at this level
+            value = value.movedim(bdim, 0)
+            size = value.shape[0]
+            physical.append((value, True))
+        else:
+            physical.append((t, False))
+    per_example = []
+    with torch._C._DisableFuncTorch():  # each example runs below every level, as the loop runs it
+        for b in range(size):
+            a, k = pytree.tree_unflatten([v.select(0, b) if batched else v for v, batched in physical], spec)
+            per_example.append(pytree.tree_flatten(_residuals_per_example(op, a, k)))
+    leaves, rspec = per_example[0]
+    out = []
+    for j, leaf in enumerate(leaves):
+        column = [example[0][j] for example in per_example]
+        if isinstance(leaf, torch.Tensor):
+            with torch._C._DisableFuncTorch():  # a plain stack: no level may wrap it
+                stacked = torch.stack(column)
+            out.append(functorch._add_batch_dim(stacked, 0, level))
+        elif any(v != leaf for v in column[1:]):
+            raise RuntimeError(
+                f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) returned a residual that is a "
+                f"Python value ({type(leaf).__name__}) differing between the examples of a vmap; under "
+                f"vmap='loop' each residual must be a tensor or the same for every example."
+            )
+        else:
+            out.append(leaf)
+    if any(example[1] != rspec for example in per_example[1:]):
+        raise RuntimeError(
+            f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) returned residuals of different "
+            f"structures for the examples of a vmap."
+        )
+    return pytree.tree_unflatten(out, rspec)
 
 
 def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
