@@ -25,6 +25,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/pip" install -q "${deps[@]}"
 "$venv/bin/pip" install -q "torch==$version"
+# real libraries the tests lift (test/test_lift.py), without their dependencies: pip never swaps torch
+"$venv/bin/pip" install -q --no-deps entmax pytorch-wavelets PyWavelets
 "$venv/bin/python" -c "import torch; print('== running torch', torch.__version__)"
 
 # The tracked and untracked (not ignored) files of this tree: sources, no builds.
