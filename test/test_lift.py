@@ -145,6 +145,25 @@ def make_two_outputs(k: float) -> type:
     return SinCos
 
 
+def make_masked(k: float) -> type:
+    class MaskedSquare(Function):
+        """relu(x)^2 with a backward that zeroes by boolean-mask indexing (which vmap cannot batch)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.relu(x) ** 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            out = 2 * k * g * x
+            out[x <= 0] = 0
+            return out
+
+    return MaskedSquare
+
+
 @dataclass
 class Case:
     make: Callable[[float], type]
@@ -167,6 +186,9 @@ CASES = {
     "rownorm": Case(make_rownorm, rownorm, lambda: (_r(3, 6), _r(6), 1e-5), (0, 1), (0, None, None)),
     "once_differentiable": Case(make_once, lambda x: x**3, lambda: (_r(3, 4),), (0,), (0,), second_order=False),
     "numpy_forward": Case(make_numpy, torch.sin, lambda: (_r(3, 4),), (0,), (0,), forward_mode=False),
+    "masked_backward": Case(
+        make_masked, lambda x: torch.relu(x) ** 2, lambda: (_r(3, 4),), (0,), (0,), second_order=False
+    ),
     "two_outputs": Case(
         make_two_outputs,
         lambda x: (torch.sin(x), torch.cos(x), torch.argmax(x, dim=-1)),
@@ -307,6 +329,19 @@ class TestLiftedLegacyFunctions(TestCase):
         torch._dynamo.reset()
         self.assertEqual(torch.compile(f, backend="aot_eager", fullgraph=False)(*args), expected)
 
+    def test_a_backward_vmap_cannot_batch_runs_per_example_only_where_not_differentiated_again(self):
+        # NOTE [A backward vmap cannot batch]: vmap(grad) and jacrev loop it (test_vmap_and_...); where
+        # its result would be differentiated again the loop (below autograd) would give silent zeros,
+        # so functorch's error stands
+        _, lifted, plain, (x,) = self._setup("masked_backward", 2)
+        X = torch.stack([x, -x])
+        for second in (hessian, lambda f: jacrev(jacrev(f))):
+            # the mask is not batched here: the backward runs batched over jacrev's basis
+            self.assertEqual(second(lambda x: lifted(x).sum())(x), second(lambda x: plain(x).sum())(x))
+            with self.assertRaisesRegex(RuntimeError, "vmap"):  # batched mask, differentiated again: no loop
+                vmap(second(lambda x: lifted(x).sum()))(X)
+        self.assertEqual(jacrev(lifted)(x[0]), torch.diag(2 * 2 * torch.relu(x[0])))
+
     def test_forward_mode_of_a_numpy_forward_asks_for_a_jvp(self):
         _, lifted, _, (x,) = self._setup("numpy_forward", 1)
         with self.assertRaisesRegex(RuntimeError, "Give .*NumpySin a jvp staticmethod"):
@@ -417,14 +452,9 @@ class TestLiftedLibraries(TestCase):
         X = torch.randn(4, 6, 7, dtype=DT)
 
         self._check((entmax.activations.Entmax15Function,), lambda x: entmax.entmax15(x, dim=-1), _entmax15_plain, X)
-        # sparsemax's backward zeroes with a boolean mask (grad[output == 0] = 0), which vmap cannot batch
-        self._check(
-            (entmax.activations.SparsemaxFunction,),
-            lambda x: entmax.sparsemax(x, dim=-1),
-            _sparsemax_plain,
-            X,
-            batched_backward=False,
-        )
+        # sparsemax's backward zeroes with a boolean mask (grad[output == 0] = 0), which vmap cannot
+        # batch: it runs once per example there (NOTE [A backward vmap cannot batch])
+        self._check((entmax.activations.SparsemaxFunction,), lambda x: entmax.sparsemax(x, dim=-1), _sparsemax_plain, X)
         # bisection (its forward is not differentiable by autograd: it updates in place); at
         # alpha = 1.5 it is entmax15, whose closed form is the plain reference
         alpha = torch.tensor(1.5, dtype=DT)

@@ -51,8 +51,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from ._lift_ctx import _mark_dirty_message, _MarkDirty, _RecordingCtx, _ReplayCtx, _Residuals, _residuals
+from . import _C
+from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _ReplayCtx, _residuals, _unpack
 from ._lift_kinds import _UNSUPPORTED, _kind, _kind_token, _restore, _schema_type
+from ._per_example import per_example
 
 __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
 
@@ -200,7 +202,8 @@ class LiftedFunction:
         self._new_style = _is_new_style(cls)
         self._forward = cls.forward
         self._signature = _apply_signature(cls)
-        self._ops: dict[tuple[Any, ...], Any] = {}
+        self._ops: dict[tuple[Any, ...], tuple[Any, bool]] = {}  # kinds -> (OpOverload, returns a 1-tuple)
+        self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
         self.__name__ = cls.__name__
         self.__qualname__ = cls.__qualname__
@@ -210,7 +213,7 @@ class LiftedFunction:
     @property
     def ops(self) -> dict[str, Any]:
         """The overloads defined so far, by overload name (each a :class:`torch_autobatch.CustomOpDef`)."""
-        return {op._opoverload._overloadname: op for op, _ in self._ops.values()}
+        return dict(self._defs)
 
     @property
     def function_class(self) -> FunctionClass:
@@ -242,8 +245,8 @@ class LiftedFunction:
             if _UNSUPPORTED in kinds:
                 return self._unsupported(kinds, args)
             entry = self._define(kinds, args)
-        op, returns_1_tuple = entry
-        out = op(*args)
+        overload, returns_1_tuple = entry
+        out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
 
     @property
@@ -277,7 +280,9 @@ class LiftedFunction:
         with self._lock:
             entry = self._ops.get(kinds)
             if entry is None:
-                entry = (_define_overload(self, kinds, probe), probe.returns_tuple and probe.num_outputs == 1)
+                op = _define_overload(self, kinds, probe)
+                self._defs[op._opoverload._overloadname] = op
+                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1)
                 self._ops[kinds] = entry
         return entry
 
@@ -310,23 +315,29 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     new_style = lifted._new_style
     forward = lifted._forward
     n_in = len(kinds)
+    restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
 
-    def fwd(*args: Any) -> tuple[Any, _Residuals]:
-        real = _restore(kinds, args)
+    def run(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...], _RecordingCtx]:
+        real = _restore(kinds, args) if restore else args
         ctx = _RecordingCtx(tuple(isinstance(a, _Tensor) for a in real))
         out = forward(ctx, *real)
         outs = _fresh(out if isinstance(out, tuple) else (out,), real)
         if ctx.dirty_tensors:
             raise _MarkDirty(_mark_dirty_message(cls))
+        return real, outs, ctx
+
+    def fwd(*args: Any) -> tuple[Any, Residuals]:
+        real, outs, ctx = run(args)
         return (outs[0] if probe.num_outputs == 1 else outs), _residuals(ctx, outs, real)
 
     def function(*args: Any) -> Any:
         if new_style:
-            real = _restore(kinds, args)
+            real = _restore(kinds, args) if restore else args
             out = forward(*real)
             outs = _fresh(out if isinstance(out, tuple) else (out,), real)
-            return outs[0] if probe.num_outputs == 1 else outs
-        return fwd(*args)[0]
+        else:
+            _, outs, _ = run(args)  # nothing differentiated: no residuals
+        return outs[0] if probe.num_outputs == 1 else outs
 
     function.lifted_class = cls  # type: ignore[attr-defined]  # (error messages name the class)
     function.__name__ = cls.__name__
@@ -343,16 +354,7 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
         if _defined_by_user(cls, "jvp"):
             op.register_jvp(cls.jvp, setup_context=cls.setup_context)
     else:
-
-        def bwd(residuals: _Residuals, *grads: Any, needs_input_grad: tuple[bool, ...]) -> Any:
-            ctx = _ReplayCtx(residuals.saved, residuals.attributes, needs_input_grad)
-            out = _count(backward(ctx, *grads), n_in, cls)
-            # autograd casts a Function's gradient to its input's dtype (an AMP forward that cast its inputs)
-            return tuple(
-                g.to(dtype) if isinstance(g, _Tensor) and dtype is not None and g.dtype != dtype else g
-                for g, dtype in zip(out, residuals.input_dtypes)
-            )
-
+        bwd = _legacy_backward(backward, n_in, cls)
         op.register_vjp(fwd, bwd)
         op._ab.vjp_setup_hook = _apply_marks
         op._ab.vjp_fwd_is_function = True  # the function is fwd's output: nothing to check
@@ -363,12 +365,74 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     return op
 
 
-def _apply_marks(ctx: Any, output: Any, residuals: _Residuals) -> None:
+def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass) -> Callable[..., Any]:
+    """register_vjp's ``bwd`` for a legacy class: ``backward`` on a ctx rebuilt from the residuals."""
+
+    def bwd(residuals: Residuals, *grads: Any, needs_input_grad: tuple[bool, ...]) -> Any:
+        r = _unpack(residuals)
+
+        def call(saved: tuple[Any, ...], attributes: dict[str, Any], grads: tuple[Any, ...]) -> Any:
+            return _count(backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads), n_in, cls)
+
+        try:
+            out = call(r.saved, r.attributes, grads)
+        except (RuntimeError, NotImplementedError) as e:
+            if not _may_loop_backward((r.saved, r.attributes, grads)):
+                raise
+            try:  # NOTE [A backward vmap cannot batch]
+                out = per_example(call, (r.saved, r.attributes, grads), f"{cls.__qualname__}.backward")
+            except Exception:
+                raise e from None
+        # autograd casts a Function's gradient to its input's dtype (an AMP forward that cast its inputs)
+        return tuple(
+            g.to(dtype) if isinstance(g, _Tensor) and dtype is not None and g.dtype != dtype else g
+            for g, dtype in zip(out, r.input_dtypes)
+        )
+
+    return bwd
+
+
+def _may_loop_backward(tree: Any) -> bool:
+    """May a legacy backward that failed on batched tensors run once per example instead?
+
+    NOTE [A backward vmap cannot batch]
+    A library's backward may use what vmap cannot batch (entmax's sparsemax:
+    ``grad[output == 0] = 0``, boolean-mask indexing). Where it failed on
+    tensors batched by vmap, it runs once per example (NOTE [Once per
+    example, in Python] in _per_example.py): the definition of vmap, so the
+    same values. That runs below autograd, so only where nothing will
+    differentiate the backward's result: no graph kept (not
+    ``create_graph=True`` inside a transform) and no tensor tracked by
+    autograd or by a torch.func grad level other than the one this backward
+    runs for (``grad(vmap(grad(f)))``, ``hessian``). Elsewhere the error stands.
+    """
+    functorch = torch._C._functorch
+    if torch.is_grad_enabled() and _C._graph_task_keeps_graph():
+        return False
+    own = _C._backward_level()
+    batched = False
+    for t in pytree.tree_leaves(tree):
+        while isinstance(t, _Tensor) and functorch.is_functorch_wrapped_tensor(t):
+            if functorch.is_batchedtensor(t):
+                batched = True
+            elif functorch.maybe_get_level(t) != own:
+                return False
+            t = functorch.get_unwrapped(t)
+        if isinstance(t, _Tensor) and t.requires_grad and torch.is_grad_enabled():
+            return False
+    return batched
+
+
+def _apply_marks(ctx: Any, output: Any, residuals: Residuals) -> None:
     """``mark_non_differentiable`` / ``set_materialize_grads`` as the legacy forward called them."""
-    if residuals.non_differentiable:
+    flat = (
+        residuals[0] if isinstance(residuals[0], tuple) else residuals
+    )  # NOTE [A lifted Function's residuals are flat]
+    mask, materialize = flat[2], flat[3]
+    if mask:
         outs = output if isinstance(output, tuple) else (output,)
-        ctx.mark_non_differentiable(*(outs[i] for i in residuals.non_differentiable))
-    if not residuals.materialize_grads:
+        ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if mask >> k & 1))
+    if not materialize:
         ctx.set_materialize_grads(False)
 
 
@@ -418,8 +482,9 @@ def _legacy_jvp_setup_context(fwd: Callable[..., Any]) -> Callable[..., None]:
         # recording ctx (forward mode only; reverse mode never pays it).
         with torch.no_grad():
             _, residuals = fwd(*inputs)
-        saved = residuals.saved_for_forward if residuals.saved_for_forward is not None else residuals.saved
-        ctx.replay = _ReplayCtx(saved, residuals.attributes, tuple(isinstance(a, _Tensor) for a in inputs))
+        r = _unpack(residuals)
+        saved = r.saved_for_forward if r.saved_for_forward is not None else r.saved
+        ctx.replay = _ReplayCtx(saved, r.attributes, tuple(isinstance(a, _Tensor) for a in inputs))
 
     return setup_context
 

@@ -41,9 +41,23 @@ class _RecordingCtx(FunctionCtx):
         return tuple(self.to_save or ())
 
 
-class _Residuals(NamedTuple):
-    """What a legacy ``forward`` left on its ctx (a pytree: its tensors are saved by our grad node)."""
+# NOTE [A lifted Function's residuals are flat]
+# Our grad node saves register_vjp's residuals on every differentiated call;
+# a flat tuple of tensors and atoms (None, numbers, strings, dtypes, devices)
+# takes its C++ fast path, any other pytree torch's Python pytree (which cost
+# more than a small forward). So what a legacy forward left on its ctx is
+# encoded as one flat tuple: a header of counts and flags, the saved tensors,
+# those saved for forward, the inputs' dtypes, the attribute names, their
+# values. An attribute holding anything else (a torch.Size, a list, an
+# object) goes in a dict after it, and the residuals are (flat, dict).
+Residuals = Any
+_HEADER = (
+    6  # n_saved, n_saved_for_forward (-1: None), non-differentiable output mask, materialize, n_inputs, n_attributes
+)
+_ATOMS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout)
 
+
+class Unpacked(NamedTuple):
     saved: tuple[Any, ...]
     saved_for_forward: Optional[tuple[Any, ...]]
     attributes: dict[str, Any]
@@ -68,16 +82,54 @@ class _ReplayCtx:
         pass
 
 
-def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...]) -> _Residuals:
+def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...]) -> Residuals:
+    """``forward``'s ctx as residuals (NOTE [A lifted Function's residuals are flat])."""
+    names: list[str] = []
+    values: list[Any] = []
+    other: dict[str, Any] = {}
+    for k, v in vars(ctx).items():
+        if k in _CTX_INTERNALS:
+            continue
+        if type(v) in _ATOMS or isinstance(v, _Tensor):
+            names.append(k)
+            values.append(v)
+        else:
+            other[k] = v
+    saved = tuple(ctx.to_save or ())
+    sff = ctx.saved_for_forward
     nondiff = ctx.non_differentiable or ()
-    return _Residuals(
-        saved=tuple(ctx.to_save or ()),
-        saved_for_forward=None if ctx.saved_for_forward is None else tuple(ctx.saved_for_forward),
-        attributes={k: v for k, v in vars(ctx).items() if k not in _CTX_INTERNALS},
-        non_differentiable=tuple(i for i, o in enumerate(outs) if any(o is t for t in nondiff)),
-        materialize_grads=ctx.materialize_grads,
-        input_dtypes=tuple(a.dtype if isinstance(a, _Tensor) else None for a in args),
+    mask = sum(1 << i for i, o in enumerate(outs) if any(o is t for t in nondiff)) if nondiff else 0
+    flat = (
+        len(saved),
+        -1 if sff is None else len(sff),
+        mask,
+        ctx.materialize_grads,
+        len(args),
+        len(names),
+        *saved,
+        *(sff or ()),
+        *(a.dtype if isinstance(a, _Tensor) else None for a in args),
+        *names,
+        *values,
     )
+    return (flat, other) if other else flat
+
+
+def _unpack(residuals: Residuals) -> Unpacked:
+    flat, other = residuals if isinstance(residuals[0], tuple) else (residuals, None)
+    n_saved, n_sff, mask, materialize, n_in, n_attr = flat[:_HEADER]
+    i = _HEADER
+    saved = flat[i : i + n_saved]
+    i += n_saved
+    sff = None if n_sff < 0 else flat[i : i + n_sff]
+    i += max(n_sff, 0)
+    dtypes = flat[i : i + n_in]
+    i += n_in
+    attributes = dict(zip(flat[i : i + n_attr], flat[i + n_attr : i + 2 * n_attr]))
+    if other:
+        attributes.update(other)
+    nondiff = tuple(k for k in range(mask.bit_length()) if mask >> k & 1)
+    return Unpacked(saved, sff, attributes, nondiff, materialize, dtypes)
 
 
 class _MarkDirty(RuntimeError):
