@@ -312,6 +312,21 @@ class TestLiftedLegacyFunctions(TestCase):
         (gg2,) = torch.autograd.grad(g2.sum(), leaf2)
         self.assertEqual(gg, gg2)
 
+    def test_inductor_compiles_forward_and_the_class_backward(self):
+        case, lifted, plain, args = self._setup("rownorm", 2)
+        x, w, eps = args
+
+        def step(x):
+            leaf = x.detach().requires_grad_()
+            y = lifted(leaf, w, eps)
+            (g,) = torch.autograd.grad((y * y).sum(), leaf)
+            return y, g
+
+        torch._dynamo.reset()
+        y, g = torch.compile(step, backend="inductor", dynamic=False)(x)
+        self.assertEqual(y, rownorm(x, w, eps))
+        self.assertEqual(g, grad(lambda x: (plain(x, w, eps) ** 2).sum())(x))  # 2x: the class's backward
+
     def test_once_differentiable_second_derivative_is_torchs_error(self):
         _, lifted, _, (x,) = self._setup("once_differentiable", 1)
         leaf = x.clone().requires_grad_()

@@ -265,7 +265,7 @@ class LiftedFunction:
             if k is _UNSUPPORTED
         ]
         if not torch._C._are_functorch_transforms_active():
-            return torch.autograd.Function.apply.__func__(self._cls, *args)  # type: ignore[attr-defined]
+            return _torch_apply(self._cls, *args)
         what = ", ".join(f"{n} ({t})" for n, t in bad)
         raise TypeError(
             f"torch_autobatch: {self._cls.__qualname__}.apply was called under a torch.func transform with "
@@ -285,6 +285,11 @@ class LiftedFunction:
                 entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1)
                 self._ops[kinds] = entry
         return entry
+
+
+def _torch_apply(klass: FunctionClass, *args: Any, **kwargs: Any) -> Any:
+    """torch's own ``autograd.Function.apply`` for ``klass`` (a classmethod, or a C builtin on torch >= 2.14)."""
+    return inspect.getattr_static(torch.autograd.Function, "apply").__get__(None, klass)(*args, **kwargs)
 
 
 def _apply_signature(cls: FunctionClass) -> Optional[inspect.Signature]:
@@ -580,7 +585,7 @@ def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: st
         )
     lifted = _LIFTED.get(cls) or from_function(cls, vmap=vmap, compile=compile)
     _LIFTED[cls] = lifted
-    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+    original = _torch_apply
 
     def apply(klass: type, *args: Any, **kwargs: Any) -> Any:
         if klass is not cls:  # a subclass: its own forward
