@@ -321,10 +321,11 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     forward = lifted._forward
     n_in = len(kinds)
     restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
+    tensor_args = tuple(k == "Tensor" for k in kinds)  # a legacy forward's ctx.needs_input_grad (see _RecordingCtx)
 
     def run(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...], _RecordingCtx]:
         real = _restore(kinds, args) if restore else args
-        ctx = _RecordingCtx(tuple(isinstance(a, _Tensor) for a in real))
+        ctx = _RecordingCtx(tensor_args)
         out = forward(ctx, *real)
         outs = _fresh(out if isinstance(out, tuple) else (out,), real)
         if ctx.dirty_tensors:

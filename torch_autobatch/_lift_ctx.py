@@ -34,6 +34,9 @@ class _RecordingCtx(FunctionCtx):
     materialize_grads: bool = True
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        # True for every tensor argument: the forward runs below autograd, where
+        # what will be differentiated is not known yet (a forward that skips
+        # work for an input it thinks needs no gradient would be wrong later).
         self.needs_input_grad = needs_input_grad
 
     @property
