@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _closure, _compile, _vmap_presets
+from . import _C, _closure, _compile, _sac, _vmap_presets
+from ._per_example import per_example
 from ._vjp_check import check_fwd_output, forget_checks, fwd_name
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ def wrap_kernel(op: CustomOpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
 def _setup_context(op: CustomOpDef) -> Callable[..., None]:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         answered = op._ab.registration.current_residuals()
+        if torch._C._len_torch_dispatch_stack():  # NOTE [Selective checkpointing of register_vjp ops]
+            answered = _sac.residuals(op, inputs, answered)
         if op._ab.vmap_preset is not None and op._vmap_fn is None:
             # fwd is opaque too (NOTE [vmap presets: the calling convention]).
             residuals = _vmap_presets.vjp_residuals(op, inputs, answered)
@@ -149,16 +152,6 @@ def _backward(op: CustomOpDef) -> Callable[..., Any]:
     return backward
 
 
-def _peel(t: Any) -> Any:
-    """``t`` without the torch.func grad/jvp wrappers around its vmap levels (setup_context runs fwd below autograd)."""
-    functorch = torch._C._functorch
-    while (
-        isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t) and not functorch.is_batchedtensor(t)
-    ):
-        t = functorch.get_unwrapped(t)
-    return t
-
-
 def _residuals_per_example(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``fwd``'s residuals for a batched call of a vmap="loop" op: fwd once per example, residuals stacked.
 
@@ -166,59 +159,11 @@ def _residuals_per_example(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[
     A vmap="loop" op's function cannot run on batched tensors (it leaves
     torch), and neither can its register_vjp ``fwd``. Where setup_context
     must run fwd itself (the loop answered no residual request), it runs it
-    the way the loop ran the function: per example of the innermost vmap
-    level, recursively for the levels outside it, and stacks each residual
-    tensor into one batched at that level. A Python value in the residuals
-    must be the same for every example (it cannot be batched).
+    the way the loop ran the function: per example (NOTE [Once per example,
+    in Python] in _per_example.py). A Python value in the residuals must be
+    the same for every example (it cannot be batched).
     """
-    functorch = torch._C._functorch
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    flat = [_peel(t) for t in flat]
-    levels = [
-        functorch.maybe_get_level(t) for t in flat if isinstance(t, torch.Tensor) and functorch.is_batchedtensor(t)
-    ]
-    if not levels:
-        a, k = pytree.tree_unflatten(flat, spec)
-        return run_fwd(op, a, k)[1]
-    level = max(levels)  # the innermost vmap
-    physical: list[Any] = []
-    size = 0
-    for t in flat:
-        if isinstance(t, torch.Tensor) and functorch.is_batchedtensor(t) and functorch.maybe_get_level(t) == level:
-            value, bdim = functorch._unwrap_batched(t, level)
-            assert bdim is not None  # batched at this level
-            value = value.movedim(bdim, 0)
-            size = value.shape[0]
-            physical.append((value, True))
-        else:
-            physical.append((t, False))
-    per_example = []
-    with torch._C._DisableFuncTorch():  # each example runs below every level, as the loop runs it
-        for b in range(size):
-            a, k = pytree.tree_unflatten([v.select(0, b) if batched else v for v, batched in physical], spec)
-            per_example.append(pytree.tree_flatten(_residuals_per_example(op, a, k)))
-    leaves, rspec = per_example[0]
-    out = []
-    for j, leaf in enumerate(leaves):
-        column = [example[0][j] for example in per_example]
-        if isinstance(leaf, torch.Tensor):
-            with torch._C._DisableFuncTorch():  # a plain stack: no level may wrap it
-                stacked = torch.stack(column)
-            out.append(functorch._add_batch_dim(stacked, 0, level))
-        elif any(v != leaf for v in column[1:]):
-            raise RuntimeError(
-                f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) returned a residual that is a "
-                f"Python value ({type(leaf).__name__}) differing between the examples of a vmap; under "
-                f"vmap='loop' each residual must be a tensor or the same for every example."
-            )
-        else:
-            out.append(leaf)
-    if any(example[1] != rspec for example in per_example[1:]):
-        raise RuntimeError(
-            f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) returned residuals of different "
-            f"structures for the examples of a vmap."
-        )
-    return pytree.tree_unflatten(out, rspec)
+    return per_example(lambda a, k: run_fwd(op, a, k)[1], (args, kwargs), f"the fwd of {op._qualname} ({fwd_name(op)})")
 
 
 def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
