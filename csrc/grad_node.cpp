@@ -3,6 +3,7 @@
 #include "grad_node.h"
 
 #include "functorch.h"
+#include "torch_internals.h"
 #include "vmap_frames.h"
 
 #include <ATen/ExpandUtils.h>
@@ -107,6 +108,12 @@ void bind_saved_tensors(py::module_& m) {
   m.def(
       "_backward_level", &backward_level,
       "The functorch level of the grad node whose backward runs now (0: the base).");
+  m.def(
+      "_graph_task_keeps_graph", &internals::current_graph_task_keeps_graph,
+      "Whether the backward call (graph task) running on this thread keeps its graph "
+      "(retain_graph, create_graph's default); True where none runs. With grad mode on, "
+      "the node's own grad level may differentiate the backward's result again "
+      "(NOTE [vmap presets: the calling convention]).");
   PyObject* type = make_saved_tensors_type();
   if (type == nullptr) {
     throw py::error_already_set();

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from oracles import unique_op_name, vmap_equals_loop, vmap_loop
+from oracles import scaled_derivative_fn, unique_op_name, vmap_equals_loop, vmap_loop
 from torch.func import grad, jacrev, jvp, vjp, vmap
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -462,6 +462,115 @@ class TestPresetContract(TestCase):
         numpy_bwd = make_op("numpy", "expand_dims")
         with self.assertRaisesRegex(RuntimeError, "data pointer|numpy"):
             grad(lambda x: grad(lambda x: numpy_bwd(x, x).sum())(x).sum())(x)
+
+
+@functools.cache
+def make_torch_backward_op(preset: str, rule: str, k: int) -> Any:
+    """``sin(x) * w`` by the numpy kernel, with a backward made of torch ops that is ``k`` x the true one.
+
+    ``register_vjp``'s ``fwd`` is torch ops too and saves a computed residual
+    (``cos(x)``), so a second derivative runs it again, recorded (NOTE
+    [Second derivatives through residuals]).
+    """
+    op = torch_autobatch.custom_op(
+        unique_op_name(NS, f"torch_bwd_{preset}_{rule}_{k}"), np_kernel, mutates_args=(), vmap=preset
+    )
+    op.register_fake(lambda x, w: x.new_empty(torch.broadcast_shapes(x.shape, w.shape)))
+    if rule == "autograd":
+
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.save_for_backward(*inputs)
+
+        def backward(ctx: Any, g: torch.Tensor) -> Any:
+            x, w = ctx.saved_tensors
+            return k * g * torch.cos(x) * w, k * g * torch.sin(x)
+
+        op.register_autograd(backward, setup_context=setup_context)
+    else:
+
+        def vjp_fwd(x: torch.Tensor, w: torch.Tensor) -> Any:
+            return torch.sin(x) * w, (torch.cos(x), torch.sin(x), w)
+
+        def vjp_bwd(residuals: Any, g: torch.Tensor) -> Any:
+            cos, sin, w = residuals
+            return k * g * cos * w, k * g * sin
+
+        op.register_vjp(vjp_fwd, vjp_bwd)
+    return op
+
+
+def first_derivative_then_loss(f: Any) -> Any:
+    """``x, w -> loss``: the first derivative of ``f`` by ``torch.autograd.grad(..., create_graph=True)``, in a loss.
+
+    Differentiating the result differentiates the backward's result again at
+    the level that computed it (NOTE [vmap presets: the calling convention]).
+    """
+
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        gx, gw = torch.autograd.grad(f(x, w).sum(), (x, w), create_graph=True)
+        return (gx * gx).sum() + (gw * x).sum()
+
+    return loss
+
+
+@instantiate_parametrized_tests
+class TestPresetCreateGraph(TestCase):
+    """Second derivatives at a grad level the preset keeps: ``torch.autograd.grad(create_graph=True)`` inside a
+    torch.func transform, differentiated again at that level; ``vmap(grad(grad))``."""
+
+    @parametrize("k", (1, 2))
+    @parametrize("rule", RULES)
+    @parametrize("preset", PRESETS)
+    def test_differentiated_again_at_its_own_level(self, preset: str, rule: str, k: int) -> None:
+        # The backward's result keeps its history at the node's own grad
+        # level: the second derivative is the registered backward's
+        # derivative (k x the true one, as the oracle's), never a silent zero.
+        op = make_torch_backward_op(preset, rule, k)
+        oracle = scaled_derivative_fn(plain, k)
+        x, w, _ = inputs()
+        transforms = {
+            "grad": lambda f: grad(first_derivative_then_loss(f), argnums=(0, 1)),
+            "vmap(grad)": lambda f: vmap(grad(first_derivative_then_loss(f), argnums=(0, 1)), in_dims=(0, None)),
+            # the op under vmap, inside the differentiated function
+            "grad(vmap)": lambda f: grad(first_derivative_then_loss(vmap(f, in_dims=(0, None))), argnums=(0, 1)),
+        }
+        for name, transform in transforms.items():
+            with self.subTest(transform=name):
+                got = transform(op)(x, w)
+                expected = transform(oracle)(x, w)
+                self.assertEqual(got, expected)
+                self.assertTrue(all(e.abs().sum() > 0 for e in expected))
+
+    @parametrize("rule", RULES)
+    @parametrize("preset", PRESETS)
+    def test_vmap_grad_grad_keeps_the_vmap_levels_below_a_kept_level(self, preset: str, rule: str) -> None:
+        # The outer grad level is kept on the saved inputs, so the vmap level
+        # below it stays on the stack: register_vjp's residuals, batched there
+        # only, are not peeled either (they were, under broadcast_all: a
+        # functorch internal assert).
+        op = make_torch_backward_op(preset, rule, 2)
+
+        def transform(f: Any) -> Any:
+            first = grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))
+            return vmap(grad(lambda x, w: (first(x, w)[0] ** 2).sum(), argnums=(0, 1)), in_dims=(0, None))
+
+        x, w, _ = inputs()
+        self.assertEqual(transform(op)(x, w), transform(scaled_derivative_fn(plain, 2))(x, w))
+
+    def test_an_opaque_backward_fails_loudly(self) -> None:
+        op = make_op("numpy", "expand_dims")
+        x, w, _ = inputs()
+        with self.assertRaisesRegex(RuntimeError, "data pointer|numpy"):
+            grad(first_derivative_then_loss(op), argnums=(0, 1))(x, w)
+
+    def test_a_first_derivative_still_peels_its_own_level(self) -> None:
+        # torch.func's own backward keeps no graph: the numpy backward gets plain tensors.
+        op = make_op("numpy", "broadcast_all")
+        x, w, _ = inputs()
+        with Counted() as calls:
+            got = vmap(grad(lambda x, w: op(x, w).sum()), in_dims=(0, None))(x, w)
+        self.assertEqual(calls["bwd"], 1)
+        self.assertEqual(got, twice_grads(x, w)[0])
 
 
 @instantiate_parametrized_tests

@@ -35,8 +35,9 @@ level** with plain tensors:
   vmap level that batches one of them becomes a leading dim (one per level,
   outermost first, batch size or 1 / expanded, as in the forward), and the
   TensorWrapper of the node's own grad level (the level being
-  differentiated, which a first derivative never differentiates again) and
-  of levels that have exited is dropped. The user's function is called
+  differentiated, which torch.func's first derivative never differentiates
+  again; but see ``create_graph`` below) and of levels that have exited is
+  dropped. The user's function is called
   once, with those plain tensors as ``ctx.saved_tensors`` and gradients
   (``register_vjp``'s residuals are rebuilt from them); each returned
   gradient must have the same leading dims (B or 1), and is wrapped back:
@@ -47,9 +48,19 @@ level** with plain tensors:
   second derivative: ``grad(grad(op))``, ``jacfwd(jacrev(op))``) is kept:
   the tensors below it reach the function wrapped, as they do without a
   preset, so a backward made of torch ops is differentiated again and an
-  opaque one fails loudly rather than giving zeros. The same for the jvp,
-  whose own level is the forward-mode level its tangents belong to; and
-  for register_vjp's ``fwd`` (NOTE [Residuals under a preset]).
+  opaque one fails loudly rather than giving zeros. So is the node's own
+  level when grad mode is on and the running backward keeps its graph
+  (``_C._graph_task_keeps_graph``: ``torch.autograd.grad(..., create_graph=True)``
+  inside a torch.func transform, whose result that same level may
+  differentiate again; torch.func's own backward keeps none, and
+  ``vjp``'s and ``jacrev``'s pullback runs once the level has exited).
+  A kept level stays on the stack while the function runs, and so does
+  every level below it: those are not peeled from any argument (a
+  register_vjp residual batched at a vmap level below it included), so
+  the function then sees every argument as it would without a preset.
+  The same for the jvp, whose own level is the forward-mode level its
+  tangents belong to; and for register_vjp's ``fwd`` (NOTE [Residuals
+  under a preset]).
 - The batch consistency of the op's outputs (NOTE [An output is batched
   wherever an input is], csrc/batched_kernel.cpp) is the batched kernel's,
   after the rule: an output returned unbatched (leading 1) is still given
@@ -232,18 +243,23 @@ Layers = list[tuple[int, Optional[int]]]
 ALL_AD_LEVELS = -1
 
 
-def _peel(t: torch.Tensor, own_level: Optional[int]) -> tuple[torch.Tensor, Layers]:
-    """``t`` without its functorch wrappers down to the first one kept (a live AD level not ``own_level``)."""
+def _peel(t: torch.Tensor, own_level: Optional[int], floor: int = 0) -> tuple[torch.Tensor, Layers]:
+    """``t`` without its functorch wrappers down to the first one kept (a live AD level not ``own_level``).
+
+    A live level at or below ``floor`` is kept too (:meth:`_Call.peel`).
+    """
     layers: Layers = []
     while _ft.is_functorch_wrapped_tensor(t):
         level = _ft.maybe_get_level(t)
-        if _ft.is_batchedtensor(t):
+        if _ft.is_gradtrackingtensor(t) and _is_dead(t):
+            t = _ft.get_unwrapped(t)
+        elif level <= floor:
+            break
+        elif _ft.is_batchedtensor(t):
             t, bdim = _ft._unwrap_batched(t, level)
             layers.append((level, bdim))
         elif _ft.is_gradtrackingtensor(t):
-            if _is_dead(t):
-                t = _ft.get_unwrapped(t)
-            elif level == own_level or own_level == ALL_AD_LEVELS:
+            if level == own_level or own_level == ALL_AD_LEVELS:
                 t = _ft._unwrap_for_grad(t, level)
                 layers.append((level, None))
             else:
@@ -273,16 +289,25 @@ class _Call:
         peeled: list[tuple[Any, Optional[Layers]]] = [
             _peel(t, self.own_level) if isinstance(t, torch.Tensor) else (t, None) for t in leaves
         ]
+        for t, _ in peeled:
+            if isinstance(t, torch.Tensor) and _ft.is_functorch_wrapped_tensor(t):
+                self.floor = max(self.floor, _ft.maybe_get_level(t))
+        if self.floor and any(lv < self.floor for _, layers in peeled if layers for lv, _ in layers):
+            # A level kept on one argument stays on the stack while the
+            # function runs, and so do the vmap levels below it: an argument
+            # peeled below it is peeled again, only down to it (NOTE [vmap
+            # presets: the calling convention]).
+            peeled = [
+                _peel(t, self.own_level, self.floor) if isinstance(t, torch.Tensor) else (t, None) for t in leaves
+            ]
         self._peeled = peeled
         vmap_levels: set[int] = set()
         grad_levels: set[int] = set()
-        for t, layers in peeled:
+        for _, layers in peeled:
             if layers is None:
                 continue
             for level, bdim in layers:
                 (grad_levels if bdim is None else vmap_levels).add(level)
-            if _ft.is_functorch_wrapped_tensor(t):
-                self.floor = max(self.floor, _ft.maybe_get_level(t))
         self.vmap_levels = sorted(vmap_levels)
         self.grad_levels = sorted(grad_levels)
         if self.vmap_levels:
@@ -434,7 +459,11 @@ def vjp_residuals(op: KernelSide, inputs: tuple[Any, ...], answered: Optional[tu
 
 def call_backward(op: KernelSide, backward: Callable[..., Any], ctx: Any, grads: tuple[Any, ...]) -> Any:
     """The user's backward (or register_vjp's), called once by the op's preset (NOTE [vmap presets: the calling convention])."""
-    return _run(op, "backward", _C._backward_level(), backward, ctx, ctx.saved_tensors, grads)
+    # The node's own grad level is peeled unless it may differentiate the
+    # backward's result again: grad mode on and a backward that keeps its
+    # graph (torch.autograd.grad(..., create_graph=True) inside torch.func).
+    keeps = torch.is_grad_enabled() and _C._graph_task_keeps_graph()
+    return _run(op, "backward", None if keeps else _C._backward_level(), backward, ctx, ctx.saved_tensors, grads)
 
 
 def call_jvp(op: KernelSide, jvp: Callable[..., Any], ctx: Any, saved: Sequence[Any], tangents: tuple[Any, ...]) -> Any:
