@@ -20,7 +20,6 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import sys
-import unittest
 from pathlib import Path
 from typing import Any, Optional
 
@@ -266,7 +265,6 @@ class TestOtherKindsOfOps(TestCase):
         self.assertIs(torch_autobatch.autobatch(op), op)
         self.assertTrue(check(op).ok)
 
-    @unittest.skipUnless(hasattr(torch_autobatch, "from_function"), "no torch_autobatch.from_function (issue 34)")
     def test_lifted_autograd_function_passes(self):
         class Scale(torch.autograd.Function):  # the legacy style torch.func refuses
             @staticmethod
@@ -284,6 +282,27 @@ class TestOtherKindsOfOps(TestCase):
         lifted(torch.randn(3), 2.0)  # defines the (Tensor, float) overload
         (op,) = lifted.ops.values()
         self.assertTrue(check(op, [(torch.randn(3, 4), 2.0), (torch.randn(5), -0.5)]).ok)
+        # the lifted callable itself: each overload with its samples (an int scale is another overload)
+        report = check(lifted, [(torch.randn(3, 4), 2.0), (torch.randn(5), 3)], raise_on_failure=False)
+        self.assertTrue(report.ok, str(report))
+        self.assertEqual(sorted(lifted.ops), ["Tensor_float", "Tensor_int"])
+        self.assertIn("[" + lifted.ops["Tensor_int"]._qualname + "]", str(report))
+
+    def test_a_lifted_function_with_a_2x_backward_fails(self):
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return torch.sin(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                (x,) = ctx.saved_tensors
+                return 2 * grad * torch.cos(x)
+
+        lifted = torch_autobatch.from_function(Twice, name=unique_op_name(NS, "lifted_twice"))
+        report = check(lifted, [(torch.randn(4),)], raise_on_failure=False, only=["backward_vs_finite_differences"])
+        self.assertEqual(report.status("backward_vs_finite_differences"), "FAIL")
 
 
 class TestReport(TestCase):

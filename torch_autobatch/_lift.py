@@ -215,6 +215,20 @@ class LiftedFunction:
         """The overloads defined so far, by overload name (each a :class:`torch_autobatch.CustomOpDef`)."""
         return dict(self._defs)
 
+    def overload_for(self, *args: Any, **kwargs: Any) -> Any:
+        """The :class:`torch_autobatch.CustomOpDef` a call with these arguments runs (defined now if new).
+
+        ``lifted.overload_for(x, 3, None)`` is the op of ``lifted(x, 3, None)``
+        (``torch.ops.ns.name.Tensor_int_None``), without running it.
+        """
+        if kwargs or self._signature is None or len(args) != self._nparams:
+            args = self._bind(args, kwargs)
+        kinds = tuple(map(_kind, args))
+        if _UNSUPPORTED in kinds:
+            raise TypeError(f"{self._cls.__qualname__}.apply: no operator schema holds these arguments' kinds {kinds}.")
+        overload, _ = self._ops.get(kinds) or self._define(kinds, args)
+        return self._defs[overload._overloadname]
+
     @property
     def function_class(self) -> FunctionClass:
         """The ``autograd.Function`` class this runs."""

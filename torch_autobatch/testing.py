@@ -296,7 +296,9 @@ def check(
     Args:
         op: a :func:`torch_autobatch.custom_op` op (also one upgraded with
             :func:`torch_autobatch.autobatch`, or a ``torch.library.custom_op``),
-            its ``torch.ops.ns.name`` or ``"ns::name"``.
+            its ``torch.ops.ns.name`` or ``"ns::name"``; or a lifted
+            ``autograd.Function`` (:func:`torch_autobatch.from_function`): each
+            overload is checked with the samples that call it.
         samples: the calls to check: tuples of positional arguments,
             ``(args, kwargs)`` pairs, :class:`Sample` s or OpInfo
             ``SampleInput`` s. None: generated from the schema, one per entry
@@ -323,6 +325,20 @@ def check(
         >>> check(double, only=["vmap", "jvp", "make_fx"]).ok  # samples from the schema
         True
     """
+    from ._lift import LiftedFunction
+
+    if isinstance(op, LiftedFunction):  # each overload its samples reach
+        return _check_lifted(
+            op,
+            samples,
+            raise_on_failure,
+            exhaustive=exhaustive,
+            only=only,
+            skip=skip,
+            shapes=shapes,
+            atol=atol,
+            rtol=rtol,
+        )
     start = time.perf_counter()
     info = _Op(op)
     unknown = sorted((set(only or ()) | set(skip)) - set(_CHECK_DEFS))
@@ -349,6 +365,33 @@ def check(
         descriptions.append(_description(case))
         results += [_run_check(case, name, exhaustive, case.repro(name, given, shapes)) for name in names]
     report = CheckReport(info.qualname, descriptions, results, time.perf_counter() - start)
+    if raise_on_failure and not report.ok:
+        raise AssertionError(str(report))
+    return report
+
+
+def _check_lifted(lifted: Any, samples: Optional[Iterable[Any]], raise_on_failure: bool, **options: Any) -> CheckReport:
+    """:func:`check` of a lifted ``autograd.Function``: each overload with the samples that call it, one report."""
+    groups: dict[str, Optional[list[Any]]] = {}
+    if samples is None:
+        if not lifted.ops:
+            raise ValueError(
+                f"torch_autobatch.testing.check({lifted!r}): a lifted autograd.Function has an overload per "
+                f"combination of argument kinds, defined on first call; pass samples=[...]."
+            )
+        groups = dict.fromkeys(lifted.ops)
+    else:
+        for raw in samples:
+            sample = _as_sample(raw)
+            name = lifted.overload_for(*sample.args, **sample.kwargs)._opoverload._overloadname
+            groups.setdefault(name, []).append(sample)  # type: ignore[union-attr]
+    reports = [check(lifted.ops[name], group, raise_on_failure=False, **options) for name, group in groups.items()]
+    descriptions: list[str] = []
+    results: list[CheckResult] = []
+    for r in reports:  # the samples numbered across overloads
+        results += [dataclasses.replace(x, sample=x.sample + len(descriptions)) for x in r.results]
+        descriptions += [f"{d}  [{r.op}]" for d in r.samples]
+    report = CheckReport(lifted._qualname, descriptions, results, sum(r.seconds for r in reports))
     if raise_on_failure and not report.ok:
         raise AssertionError(str(report))
     return report
