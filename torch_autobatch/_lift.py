@@ -318,6 +318,55 @@ def _apply_signature(cls: FunctionClass) -> Optional[inspect.Signature]:
 
 
 # ------------------------------------------------------------- one overload
+class _Kernel:
+    """One overload's function (the object itself) and register_vjp ``fwd``: ``forward`` as ``apply`` runs it.
+
+    An object, not closures: the kernels check an op's function's closure
+    cells on every call (NOTE [What the function closes over]); these would
+    hold no tensor, and an object and a bound method have none.
+    """
+
+    def __init__(self, lifted: LiftedFunction, kinds: tuple[Any, ...], num_outputs: int, names: list[str]) -> None:
+        self.cls = lifted._cls
+        self.forward = lifted._forward
+        self.new_style = lifted._new_style
+        self.kinds = kinds
+        self.restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
+        self.tensor_args = tuple(k == "Tensor" for k in kinds)  # a legacy forward's ctx.needs_input_grad
+        self.single = num_outputs == 1
+        # what the op shows of its function (inspect.signature, help(), error messages)
+        self.__signature__ = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+        )
+        self.__name__ = self.cls.__name__
+        self.__qualname__ = self.cls.__qualname__
+        self.__doc__ = self.cls.__doc__
+        self.lifted_class = self.cls  # (error messages name the class)
+
+    def run(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...], _RecordingCtx]:
+        real = _restore(self.kinds, args) if self.restore else args
+        ctx = _RecordingCtx(self.tensor_args)
+        out = self.forward(ctx, *real)
+        outs = _fresh(out if isinstance(out, tuple) else (out,), real)
+        if ctx.dirty_tensors:
+            raise _MarkDirty(_mark_dirty_message(self.cls))
+        return real, outs, ctx
+
+    def fwd(self, *args: Any) -> tuple[Any, Residuals]:
+        real, outs, ctx = self.run(args)
+        return (outs[0] if self.single else outs), _residuals(ctx, outs, real)
+
+    def __call__(self, *args: Any) -> Any:
+        """The op's function."""
+        if self.new_style:
+            real = _restore(self.kinds, args) if self.restore else args
+            out = self.forward(*real)
+            outs = _fresh(out if isinstance(out, tuple) else (out,), real)
+        else:
+            _, outs, _ = self.run(args)  # nothing differentiated: no residuals
+        return outs[0] if self.single else outs
+
+
 def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Probe) -> Any:
     from ._custom_op import CustomOpDef, custom_op  # noqa: F401  (import cycle: _upgrade imports us)
 
@@ -331,45 +380,14 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     vmap = lifted._vmap
     if vmap == "auto" and not probe.torch_ops and not _defined_by_user(cls, "vmap"):
         vmap = "loop"
-    new_style = lifted._new_style
-    forward = lifted._forward
     n_in = len(kinds)
-    restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
-    tensor_args = tuple(k == "Tensor" for k in kinds)  # a legacy forward's ctx.needs_input_grad (see _RecordingCtx)
-
-    def run(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...], _RecordingCtx]:
-        real = _restore(kinds, args) if restore else args
-        ctx = _RecordingCtx(tensor_args)
-        out = forward(ctx, *real)
-        outs = _fresh(out if isinstance(out, tuple) else (out,), real)
-        if ctx.dirty_tensors:
-            raise _MarkDirty(_mark_dirty_message(cls))
-        return real, outs, ctx
-
-    def fwd(*args: Any) -> tuple[Any, Residuals]:
-        real, outs, ctx = run(args)
-        return (outs[0] if probe.num_outputs == 1 else outs), _residuals(ctx, outs, real)
-
-    def function(*args: Any) -> Any:
-        if new_style:
-            real = _restore(kinds, args) if restore else args
-            out = forward(*real)
-            outs = _fresh(out if isinstance(out, tuple) else (out,), real)
-        else:
-            _, outs, _ = run(args)  # nothing differentiated: no residuals
-        return outs[0] if probe.num_outputs == 1 else outs
-
-    function.lifted_class = cls  # type: ignore[attr-defined]  # (error messages name the class)
-    function.__name__ = cls.__name__
-    function.__qualname__ = cls.__qualname__
-    function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
-    )
+    kernel = _Kernel(lifted, kinds, probe.num_outputs, names)
+    fwd = kernel.fwd
     op = custom_op(
-        f"{lifted._qualname}.{overload}", function, mutates_args=(), schema=schema, vmap=vmap, compile=lifted._compile
+        f"{lifted._qualname}.{overload}", kernel, mutates_args=(), schema=schema, vmap=vmap, compile=lifted._compile
     )
     backward = cls.backward if _defined_by_user(cls, "backward") else cls.vjp
-    if new_style:
+    if lifted._new_style:
         op.register_autograd(_counted(backward, n_in), setup_context=cls.setup_context)
         if _defined_by_user(cls, "jvp"):
             op.register_jvp(cls.jvp, setup_context=cls.setup_context)
@@ -458,12 +476,16 @@ def _apply_marks(ctx: Any, output: Any, residuals: Residuals) -> None:
 
 def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
     """An operator's outputs are new tensors: a forward that returns an input (or a view of one) returns a copy."""
-    inputs = [a for a in args if isinstance(a, _Tensor)]
-    if not inputs:
-        return outs
     # (below autograd a view has no _base: compare storages)
     is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
-    return tuple(o.clone() if any(o is a or is_alias_of(o, a) for a in inputs) else o for o in outs)
+    fresh = None
+    for i, o in enumerate(outs):
+        for a in args:
+            if isinstance(a, _Tensor) and (o is a or is_alias_of(o, a)):
+                fresh = fresh or list(outs)
+                fresh[i] = o.clone()
+                break
+    return outs if fresh is None else tuple(fresh)
 
 
 def _count(grads: Any, n_in: int, cls: FunctionClass) -> Any:

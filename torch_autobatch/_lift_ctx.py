@@ -57,7 +57,7 @@ Residuals = Any
 _HEADER = (
     6  # n_saved, n_saved_for_forward (-1: None), non-differentiable output mask, materialize, n_inputs, n_attributes
 )
-_ATOMS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout)
+_ATOMS = frozenset((type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout))
 
 
 class Unpacked(NamedTuple):
@@ -98,6 +98,7 @@ def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...])
             values.append(v)
         else:
             other[k] = v
+    dtypes = [a.dtype if isinstance(a, _Tensor) else None for a in args]
     saved = tuple(ctx.to_save or ())
     sff = ctx.saved_for_forward
     nondiff = ctx.non_differentiable or ()
@@ -111,7 +112,7 @@ def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...])
         len(names),
         *saved,
         *(sff or ()),
-        *(a.dtype if isinstance(a, _Tensor) else None for a in args),
+        *dtypes,
         *names,
         *values,
     )
