@@ -483,6 +483,17 @@ class TestLiftedLibraries(TestCase):
             compile_grad=False,
         )
 
+    def test_entmax15_hessian_differentiates_its_backward(self):
+        import entmax
+
+        # a full support (every output > 0): entmax's backward uses sqrt(Y), not differentiable at 0
+        x = 0.05 * torch.randn(6, dtype=DT)
+        w = torch.randn(6, dtype=DT)
+        expected = hessian(lambda x: (w * _entmax15_plain(x)).sum())(x)
+        with lifted_in_place(entmax.activations.Entmax15Function):
+            self.assertEqual(hessian(lambda x: (w * entmax.entmax15(x, dim=-1)).sum())(x), expected)
+            self.assertEqual(jacrev(jacrev(lambda x: (w * entmax.entmax15(x, dim=-1)).sum()))(x), expected)
+
     def test_entmax_bisect_gradient_of_a_tensor_alpha(self):
         import entmax
 
