@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from oracles import scaled_derivative_fn, unique_op_name, vmap_loop
+from oracles import scale_derivative, scaled_derivative_fn, unique_op_name, vmap_loop
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
@@ -356,6 +356,32 @@ class TestLiftedLegacyFunctions(TestCase):
             with self.assertRaisesRegex(RuntimeError, "vmap"):  # batched mask, differentiated again: no loop
                 vmap(second(lambda x: lifted(x).sum()))(X)
         self.assertEqual(jacrev(lifted)(x[0]), torch.diag(2 * 2 * torch.relu(x[0])))
+
+    def test_a_numpy_forward_and_backward_with_a_vmap_preset(self):
+        class NumpyScale(Function):  # an opaque kernel library's shape: numpy both ways, leading dims batch
+            @staticmethod
+            def forward(ctx, x, w):
+                ctx.save_for_backward(x, w)
+                return torch.from_numpy(np.sin(x.numpy()) * w.numpy())
+
+            @staticmethod
+            def backward(ctx, g):
+                x, w = ctx.saved_tensors
+                gx = 2 * g.numpy() * np.cos(x.numpy()) * w.numpy()  # deliberately 2x
+                gw = (g.numpy() * np.sin(x.numpy())).sum(-2)  # leading dims are the batch
+                return torch.from_numpy(gx), torch.from_numpy(gw)
+
+        lifted = torch_autobatch.from_function(NumpyScale, name=unique_op_name("tab_lift", "np"), vmap="expand_dims")
+        X, w = _r(5, 3, 4), _r(4)
+        plain = scaled_derivative_fn(lambda x, w: torch.sin(x) * w, 1)
+
+        def loss(f):
+            return lambda x, w: f(x, w).sum()
+
+        got = vmap(grad(loss(lifted)), in_dims=(0, None))(X, w)
+        twice_in_x = vmap(grad(lambda x, w: (torch.sin(scale_derivative(x, 2)) * w).sum()), in_dims=(0, None))(X, w)
+        self.assertEqual(got, twice_in_x)
+        self.assertEqual(vmap(lifted, in_dims=(0, None))(X, w), vmap_loop(plain, (0, None), X, w))
 
     def test_forward_mode_of_a_numpy_forward_asks_for_a_jvp(self):
         _, lifted, _, (x,) = self._setup("numpy_forward", 1)

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _vmap_presets
 from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _ReplayCtx, _residuals, _unpack
 from ._lift_kinds import _UNSUPPORTED, _kind, _kind_token, _restore, _schema_type
 from ._per_example import per_example
@@ -571,16 +571,16 @@ def from_function(
         vmap: ``"auto"`` (default): the class's ``vmap`` staticmethod if it
             has one; else, if ``forward`` is made of torch ops (it runs on meta
             tensors), our free batching rule (``forward`` once on the batch);
-            else one call per example. ``"loop"``: always one call per example.
+            else one call per example. ``"loop"`` (``"sequential"``): always
+            one call per example. ``"expand_dims"`` / ``"broadcast_all"``: an
+            opaque forward and backward that take leading batch dims, called
+            once per vmap level (as in :func:`torch_autobatch.custom_op`).
         compile: as in :func:`torch_autobatch.custom_op`.
     """
     from . import _compile
 
     _check_class(cls, "from_function")
-    if vmap not in ("auto", "loop"):
-        raise ValueError(
-            f"torch_autobatch.from_function({cls.__qualname__}): vmap must be 'auto' or 'loop', got {vmap!r}."
-        )
+    vmap = _vmap_presets.normalize(f"torch_autobatch.from_function({cls.__qualname__})", vmap)
     if compile not in _compile.COMPILE_MODES:
         raise ValueError(
             f"torch_autobatch.from_function({cls.__qualname__}): compile must be 'fuse' or 'opaque', got {compile!r}."
