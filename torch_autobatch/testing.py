@@ -328,31 +328,15 @@ def check(
     from ._lift import LiftedFunction
 
     if isinstance(op, LiftedFunction):  # each overload its samples reach
-        return _check_lifted(
-            op,
-            samples,
-            raise_on_failure,
-            exhaustive=exhaustive,
-            only=only,
-            skip=skip,
-            shapes=shapes,
-            atol=atol,
-            rtol=rtol,
-        )
+        options = dict(exhaustive=exhaustive, only=only, skip=skip, shapes=shapes, atol=atol, rtol=rtol)
+        return _check_lifted(op, samples, raise_on_failure, **options)
     start = time.perf_counter()
     info = _Op(op)
-    unknown = sorted((set(only or ()) | set(skip)) - set(_CHECK_DEFS))
-    if unknown:
-        raise ValueError(f"torch_autobatch.testing.check: unknown checks {unknown}; the checks are {list(_CHECK_DEFS)}")
+    names = _check_names(only, skip, exhaustive)
     given = samples is not None
     sample_list = [_as_sample(s) for s in samples] if samples is not None else _generated_samples(info, shapes)
     if not sample_list:
         raise ValueError(f"torch_autobatch.testing.check({info.qualname}): no samples")
-    names = [
-        n
-        for n, d in _CHECK_DEFS.items()
-        if (n in only if only is not None else (exhaustive or not d.exhaustive)) and n not in skip
-    ]
     results: list[CheckResult] = []
     descriptions = []
     for index, sample in enumerate(sample_list):
@@ -368,6 +352,15 @@ def check(
     if raise_on_failure and not report.ok:
         raise AssertionError(str(report))
     return report
+
+
+def _check_names(only: Optional[Sequence[str]], skip: Sequence[str], exhaustive: bool) -> list[str]:
+    """The checks to run, in order; unknown names are an error."""
+    unknown = sorted((set(only or ()) | set(skip)) - set(_CHECK_DEFS))
+    if unknown:
+        raise ValueError(f"torch_autobatch.testing.check: unknown checks {unknown}; the checks are {list(_CHECK_DEFS)}")
+    names = [n for n, d in _CHECK_DEFS.items() if (n in only if only is not None else exhaustive or not d.exhaustive)]
+    return [n for n in names if n not in skip]
 
 
 def _check_lifted(lifted: Any, samples: Optional[Iterable[Any]], raise_on_failure: bool, **options: Any) -> CheckReport:
