@@ -30,6 +30,7 @@ HEAVY = (
     "torch._dynamo",
     "torch._inductor",
     "torch._functorch.aot_autograd",
+    "torch.onnx",
 )
 
 

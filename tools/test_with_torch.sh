@@ -27,6 +27,8 @@ fi
 "$venv/bin/pip" install -q "torch==$version"
 # real libraries the tests lift (test/test_lift.py), without their dependencies: pip never swaps torch
 "$venv/bin/pip" install -q --no-deps entmax pytorch-wavelets PyWavelets
+# ONNX export and onnxruntime (test/test_onnx.py), also without dependencies: pip never swaps torch
+"$venv/bin/pip" install -q --no-deps onnx onnxscript onnx-ir onnxruntime ml_dtypes protobuf flatbuffers
 "$venv/bin/python" -c "import torch; print('== running torch', torch.__version__)"
 
 # The tracked and untracked (not ignored) files of this tree: sources, no builds.

@@ -67,9 +67,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import inspect
 import marshal
 import os
@@ -77,7 +74,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
@@ -85,7 +82,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _deploy, _import_hook
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
@@ -152,30 +149,6 @@ def _marker_decomposition(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs ``_apply`` once Inductor's decomposition module has executed."""
-
-    def find_spec(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
-    ) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != _INDUCTOR_DECOMPOSITION:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        _apply(module)
-
-
 def _sync(opdef: CustomOpDef) -> None:
     global _hook_installed
     module = sys.modules.get(_INDUCTOR_DECOMPOSITION)
@@ -184,9 +157,9 @@ def _sync(opdef: CustomOpDef) -> None:
         return
     refresh_cache_key(opdef)  # Inductor's config may be loaded without its table
     with _lock:
-        if not _hook_installed:
-            _hook_installed = True
-            sys.meta_path.insert(0, _AfterImport())
+        install, _hook_installed = not _hook_installed, True
+    if install and module is None:  # imported later: every op is listed then
+        _import_hook.after_import(_INDUCTOR_DECOMPOSITION, _apply)
 
 
 def register(opdef: CustomOpDef, fuse: bool) -> None:
@@ -198,6 +171,8 @@ def register(opdef: CustomOpDef, fuse: bool) -> None:
     if fuse:
         _list(opdef)
     _sync(opdef)
+    # NOTE [ONNX export sees the function], NOTE [AOTInductor names a Python op]
+    _deploy.register(opdef, opdef._ab.inductor_decomposition if fuse else None)
     _torchscript_builtins()[id(opdef)] = opdef._opoverload._schema.name  # "ns::name"
 
 
@@ -231,7 +206,8 @@ def _list(opdef: CustomOpDef) -> None:
 
 
 def unlist_for_inductor(opdef: CustomOpDef) -> None:
-    """Removes the op's entry (its definition is gone: NOTE [Kernels die with their op])."""
+    """Removes the op's entries, Inductor's and ONNX's (its definition is gone: NOTE [Kernels die with their op])."""
+    _deploy.unregister(opdef)
     decomposition = opdef._ab.inductor_decomposition
     if decomposition is not None:
         _unlist(opdef._opoverload, decomposition)
