@@ -12,8 +12,9 @@
 // node at every autograd level below (NOTE [The level walk], level_walk.cpp).
 // Backward (CustomOpNode::apply): the node re-enters the vmap levels, so the
 // user's backward runs batched too (NOTE [Re-entering the vmap levels]).
-// Where the composite cannot or must not run once, the op runs once per
-// example instead (vmap_loop.cpp).
+// Where the composite must not run once (vmap="loop"), the op runs once per
+// example instead; under a graph tracer, its vmapped companion runs
+// (vmap_loop.cpp).
 #include "forward_mode.h"
 #include "functorch.h"
 #include "grad_node.h"
@@ -118,8 +119,7 @@ class BatchedKernel final : public c10::OperatorKernel {
     const bool under_ad = SentDownFromAD::level() > level;
     SentDownFromAD not_sent_down(0);
     const auto mode = state_->vmap_mode.load();
-    if (mode == VmapMode::Loop || trace_keeps_op(*state_, schema, *layer)) {
-      run_loop(*state_, op, *layer, stack);
+    if (run_companion_or_loop(*state_, op, *layer, mode == VmapMode::Loop, stack)) {
       return;
     }
 

@@ -32,6 +32,7 @@ const std::vector<PythonSideName>& python_side() {
       {"_run_vmap_rule", 2, "op"}, // (positional, kwargs)
       {"_check_aliasing", 3, "op"}, // (args, kwargs, result)
       {"_dissolves_in_trace", 0, "op"},
+      {"_run_vmapped_companion", 1, "op"}, // (args)
       {"_backward_fn_name", -1, "op"},
       {"_jvp_fn_name", -1, "op"},
       {"_verify_vjp_fwd", 5, "op"}, // (args, kwargs, result, check, keyed)
@@ -44,13 +45,14 @@ const std::vector<PythonSideName>& python_side() {
 }
 
 const PyNames& py_names() {
-  static_assert(sizeof(PyNames) == 14 * sizeof(PyObject*), "python_side() lists 14 names");
+  static_assert(sizeof(PyNames) == 15 * sizeof(PyObject*), "python_side() lists 15 names");
   static const PyNames names = [] {
     const auto& side = python_side();
-    TORCH_INTERNAL_ASSERT(side.size() == 14, "python_side() and PyNames disagree");
+    TORCH_INTERNAL_ASSERT(side.size() == 15, "python_side() and PyNames disagree");
     auto intern = [&](size_t i) { return PyUnicode_InternFromString(side[i].name); };
-    return PyNames{intern(0), intern(1), intern(2), intern(3),  intern(4),  intern(5),  intern(6),
-                   intern(7), intern(8), intern(9), intern(10), intern(11), intern(12), intern(13)};
+    return PyNames{intern(0),  intern(1),  intern(2),  intern(3),  intern(4),
+                   intern(5),  intern(6),  intern(7),  intern(8),  intern(9),
+                   intern(10), intern(11), intern(12), intern(13), intern(14)};
   }();
   return names;
 }

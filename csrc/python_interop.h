@@ -72,6 +72,7 @@ struct PyNames {
   PyObject* run_vmap_rule; // vmap: the user's register_vmap rule
   PyObject* check_aliasing; // torch.library's aliasing error
   PyObject* dissolves_in_trace; // vmap under a graph trace: NOTE [A trace keeps the op]
+  PyObject* run_vmapped_companion; // ... one node: NOTE [One node for vmap(op) in a trace]
   PyObject* backward_fn_name; // for error messages
   PyObject* jvp_fn_name;
   PyObject* verify_vjp_fwd; // register_vjp: fwd's result where C++ could not verify it

@@ -1,5 +1,6 @@
-// The per-example path of the batched kernel: vmap="loop", and vmap(op)
-// under a graph tracer that must keep the op (vmap_loop.h).
+// The per-example path of the batched kernel (vmap="loop"), and vmap(op)
+// under a graph tracer that must keep the op: its one-node companion, or
+// the loop (vmap_loop.h).
 #include "vmap_loop.h"
 
 #include "forward_mode.h"
@@ -9,6 +10,8 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <algorithm>
 
 namespace torch_autobatch {
 namespace {
@@ -89,13 +92,44 @@ void run_loop_empty(
 
 using functorch::DynamicLayer;
 
-bool trace_keeps_op(
-    const OpState& state,
-    const c10::FunctionSchema& schema,
-    const DynamicLayer& layer) {
+namespace {
+
+// Does the op have a vmapped companion (NOTE [A trace keeps the op])?
+bool has_companion(const OpState& state, const c10::FunctionSchema& schema) {
+  if (schema.is_mutable() || state.returns_an_argument) {
+    return false;
+  }
+  return std::all_of(schema.returns().begin(), schema.returns().end(), [](const auto& r) {
+    const auto& type = r.real_type();
+    return type->kind() == c10::TypeKind::TensorType ||
+           (type->kind() == c10::TypeKind::ListType &&
+            type->template expectRef<c10::ListType>().getElementType()->kind() ==
+                c10::TypeKind::TensorType);
+  });
+}
+
+// NOTE [Residuals of register_vjp]: an open request belongs to the batched
+// call; a call made for it (one example's, the companion's) must not answer
+// it with its own residuals.
+struct NoResidualRequest {
+  ResidualRequest* outer = t_residual_request;
+  NoResidualRequest() {
+    t_residual_request = nullptr;
+  }
+  NoResidualRequest(const NoResidualRequest&) = delete;
+  NoResidualRequest& operator=(const NoResidualRequest&) = delete;
+  ~NoResidualRequest() {
+    t_residual_request = outer;
+  }
+};
+
+} // namespace
+
+TracePath
+trace_path(const OpState& state, const c10::FunctionSchema& schema, const DynamicLayer& layer) {
   if (!c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::PROXY)
            .has_value()) {
-    return false;
+    return TracePath::kComposite;
   }
   py::gil_scoped_acquire gil;
   bool dissolves = false;
@@ -105,7 +139,10 @@ bool trace_keeps_op(
     rethrow_python_error(e);
   }
   if (dissolves) {
-    return false;
+    return TracePath::kComposite;
+  }
+  if (has_companion(state, schema)) {
+    return TracePath::kCompanion;
   }
   std::string why;
   for (const auto& r : schema.returns()) {
@@ -126,14 +163,16 @@ bool trace_keeps_op(
         "batch dim of torch.export, make_fx's tracing_mode=\"symbolic\")";
   }
   if (why.empty()) {
-    return true;
+    return TracePath::kLoop;
   }
   // A Python warning (a C++ TORCH_WARN here reaches no Python handler).
   const std::string msg = c10::str(
       "torch_autobatch: vmap of ", state.qualname,
       " is being traced into a graph (make_fx, torch.export's "
-      "run_decompositions, aot_function), where it would run once per "
-      "example so that the graph keeps the op and its registered rules; ",
+      "run_decompositions, aot_function). It mutates an argument or returns "
+      "other than Tensor / Tensor[], so it has no one-node companion and "
+      "would run once per example so that the graph keeps the op and its "
+      "registered rules; ",
       why,
       ". The graph holds the op's decomposition instead: differentiating "
       "the traced program uses the function's own derivatives, not the "
@@ -143,7 +182,46 @@ bool trace_keeps_op(
   if (PyErr_WarnEx(PyExc_UserWarning, msg.c_str(), 1) != 0) {
     throw python_error(); // warnings are errors
   }
+  return TracePath::kComposite;
+}
+
+bool run_companion_or_loop(
+    const OpState& state,
+    const c10::OperatorHandle& op,
+    const DynamicLayer& layer,
+    bool loop_mode,
+    torch::jit::Stack* stack) {
+  const TracePath path = trace_path(state, op.schema(), layer); // NOTE [A trace keeps the op]
+  if (path == TracePath::kCompanion) {
+    run_companion(state, op, stack);
+    return true;
+  }
+  if (loop_mode || path == TracePath::kLoop) {
+    run_loop(state, op, layer, stack);
+    return true;
+  }
   return false;
+}
+
+void run_companion(const OpState& state, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t num_returns = schema.returns().size();
+  NoResidualRequest no_request;
+  py::gil_scoped_acquire gil;
+  try {
+    // User Python runs below (the companion's function, its rules): NOTE
+    // [User Python sees a plain caller's state].
+    functorch::AsPlainCaller plain;
+    py::tuple args = to_py_tuple(torch::jit::last(*stack, num_args), schema.arguments());
+    py::tuple outs = call_method(state.opdef(), py_names().run_vmapped_companion, {args});
+    torch::jit::drop(*stack, num_args);
+    for (size_t r = 0; r < num_returns; ++r) {
+      torch::jit::push(*stack, torch::jit::toIValue(outs[r], schema.returns()[r].type()));
+    }
+  } catch (py::error_already_set& e) {
+    rethrow_python_error(e);
+  }
 }
 
 void run_loop(
@@ -177,16 +255,7 @@ void run_loop(
     });
   }
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::FuncTorchBatched);
-  // NOTE [Residuals of register_vjp]: an open request belongs to the batched
-  // call; one example's call must not answer it with its own residuals.
-  ResidualRequest* const outer_request = t_residual_request;
-  t_residual_request = nullptr;
-  struct RestoreRequest {
-    ResidualRequest* request;
-    ~RestoreRequest() {
-      t_residual_request = request;
-    }
-  } restore_request{outer_request};
+  NoResidualRequest no_request; // one example's call must not answer it
   if (batch_size == 0) {
     run_loop_empty(state, op, args, batched, level, stack);
     return;

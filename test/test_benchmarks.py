@@ -44,6 +44,18 @@ class TestBenchmarkCommands(TestCase):
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertEqual(proc.stdout.count("torch_autobatch.custom_op"), 2)
 
+    def test_traced_vmap(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / "bench_traced_vmap.py"), "--quick", "--min-run-time", "0.01"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 10")]
+        nodes = {row[1].strip(): [row[2].strip(), row[3].strip()] for row in rows if row[1].strip() in ("d", "t")}
+        self.assertEqual(nodes["t"][0], nodes["t"][1])  # make_fx, real and symbolic: one node for vmap(op)
+
 
 if __name__ == "__main__":
     run_tests()

@@ -4,7 +4,8 @@ NOTE [A trace keeps the op] (csrc/vmap_loop.h): under vmap the op's function
 runs on the batched tensors, so a tracer that records no autograd (make_fx,
 torch.export's run_decompositions, aot_function's inference graph) would see
 only the function's aten ops, and differentiating the traced program later
-would silently use their derivatives. Every op here has a backward that is
+would silently use their derivatives. The graph holds one node instead, the
+op's vmapped companion (test_traced_vmap.py). Every op here has a backward that is
 2x the true VJP and a jvp that is 3x the true JVP: a traced program that lost
 the op differentiates to the true derivative and fails.
 """
@@ -25,6 +26,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
+from torch_autobatch import _traced_vmap
 
 NS = "tab_graph"
 CALLS = {"op": 0, "opaque": 0, "with_rule": 0, "looped": 0}
@@ -94,6 +96,13 @@ def _op_nodes(gm: torch.fx.GraphModule, overload) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is overload)
 
 
+def _companion_nodes(gm: torch.fx.GraphModule, op, depth: int = 1) -> int:
+    """The nodes of ``op``'s vmapped companion (of its companion, ``depth`` times)."""
+    for _ in range(depth):
+        op = _traced_vmap.companion(op)
+    return _op_nodes(gm, op._opoverload)
+
+
 class _VmapModule(torch.nn.Module):
     def forward(self, x, w):
         return torch.vmap(op)(x, w)
@@ -145,46 +154,45 @@ class TestTracedVmapKeepsTheRules(TestCase):
         _, tangent = torch.func.jvp(traced, (x, w), (tx, tw))
         self.assertEqual(tangent, _registered_tangent(x, w, tx, tw))
 
-    def test_a_symbolic_batch_size_warns_that_the_graph_holds_the_decomposition(self):
-        # One call per example would specialise the batch size with no guard
-        # make_fx enforces (a silently wrong shape at another batch size).
+    def test_a_symbolic_batch_size_keeps_the_rules_in_one_node(self):
+        # One call per example would have specialised the batch size: the
+        # companion takes it from its tensors.
         x, w = _inputs()
-        message = r"vmap of tab_graph::op is being traced.*batch size.*symbolic.*not the registered backward"
-        with self.assertWarnsRegex(UserWarning, message):
-            gm = make_fx(torch.vmap(op), tracing_mode="symbolic")(x, w)
+        gm = make_fx(torch.vmap(op), tracing_mode="symbolic")(x, w)
+        self.assertEqual(_companion_nodes(gm, op), 1)
         x5, w5 = torch.randn(5, N), torch.randn(5, N)
         self.assertEqual(gm(x5, w5), torch.sin(x5) * w5)
         batch = torch.export.Dim("batch")
         ep = torch.export.export(_VmapModule(), (x, w), dynamic_shapes=({0: batch}, {0: batch}))
         self.assertEqual(ep.module()(x5, w5), torch.sin(x5) * w5)  # the op node, rules kept
-        with self.assertWarnsRegex(UserWarning, message):
-            ep = ep.run_decompositions()
+        ep = ep.run_decompositions()
+        self.assertEqual(_companion_nodes(ep.graph_module, op), 1)
         self.assertEqual(ep.module()(x5, w5), torch.sin(x5) * w5)
+        xg = x5.clone().requires_grad_()
+        (got,) = torch.autograd.grad(ep.module()(xg, w5).sum(), xg)
+        self.assertEqual(got, 2 * torch.cos(x5) * w5)
 
-    def test_randomness_same_warns_that_the_graph_holds_the_decomposition(self):
-        # Generators put back between examples at trace time are not in the
-        # graph: its replay would draw each example's own numbers.
+    def test_randomness_same_and_different_keep_one_node(self):
         x, w = _inputs()
-        with self.assertWarnsRegex(UserWarning, r"vmap of tab_graph::op is being traced.*randomness=\"same\""):
-            gm = make_fx(torch.vmap(op, randomness="same"))(x, w)
-        self.assertEqual(_op_nodes(gm, op._opoverload), 0)
-        gm = make_fx(torch.vmap(op, randomness="different"))(x, w)
-        self.assertEqual(_op_nodes(gm, op._opoverload), B)
+        for randomness in ("same", "different"):
+            gm = make_fx(torch.vmap(op, randomness=randomness))(x, w)
+            self.assertEqual(_op_nodes(gm, op._opoverload), 0)
+            self.assertEqual(_companion_nodes(gm, op), 1)
 
-    def test_make_fx_records_the_op_once_per_example(self):
+    def test_make_fx_records_one_node(self):
         x, w = _inputs()
         gm = make_fx(torch.vmap(op))(x, w)
-        self.assertEqual(_op_nodes(gm, op._opoverload), B)
+        self.assertEqual(_companion_nodes(gm, op), 1)
         self.assertEqual(gm(x, w), torch.sin(x) * w)
 
     def test_run_decompositions_keeps_the_op(self):
         x, w = _inputs()
         ep = torch.export.export(_VmapModule(), (x, w)).run_decompositions()
-        self.assertEqual(_op_nodes(ep.graph_module, op._opoverload), B)
+        self.assertEqual(_companion_nodes(ep.graph_module, op), 1)
 
     def test_a_vmap_rule_and_vmap_loop_op_keep_the_op_in_a_trace(self):
         # Every batched path of the kernel (composite above, the register_vmap
-        # rule, vmap="loop") gives the trace the op, and the same gradient.
+        # rule, vmap="loop") gives the trace one node, and the same gradient.
         rule_op = _make_op("with_rule")
         rule_op.register_vmap(
             lambda info, in_dims, x, w: (rule_op(x.movedim(in_dims[0], 0), w.movedim(in_dims[1], 0)), 0)
@@ -194,7 +202,7 @@ class TestTracedVmapKeepsTheRules(TestCase):
         ct, gx, gw = _registered_grads(x, w)
         for which in (rule_op, loop_op):
             gm = make_fx(torch.vmap(which))(x, w)
-            self.assertEqual(_op_nodes(gm, which._opoverload), B, which)
+            self.assertEqual(_companion_nodes(gm, which), 1, which)
             xg = x.clone().requires_grad_()
             (got,) = torch.autograd.grad((gm(xg, w) * ct).sum(), xg)
             self.assertEqual(got, gx)
@@ -213,7 +221,7 @@ class TestTracedVmapKeepsTheRules(TestCase):
         x, w = _inputs()
         xs, ws = x.expand(2, B, N), w.expand(2, B, N)
         gm = make_fx(torch.vmap(torch.vmap(op)))(xs, ws)
-        self.assertEqual(_op_nodes(gm, op._opoverload), 2 * B)
+        self.assertEqual(_companion_nodes(gm, op, depth=2), 1)
         xs = xs.clone().requires_grad_()
         (g,) = torch.autograd.grad(gm(xs, ws).sum(), xs)
         self.assertEqual(g, 2 * torch.cos(xs) * ws)
@@ -245,12 +253,14 @@ class TestTracedVmapKeepsTheRules(TestCase):
         self.assertIn("tab_graph.op.default", str(t))
         self.assertNotIn("aten.sin", str(t))
 
-    def test_list_returns_warn_that_the_graph_holds_the_decomposition(self):
+    def test_list_returns_keep_one_node(self):
         x, _ = _inputs()
-        with self.assertWarnsRegex(
-            UserWarning, r"vmap of tab_graph::pair is being traced.*returns Tensor\[\].*not the registered backward"
-        ):
-            make_fx(torch.vmap(pair))(x)
+        gm = make_fx(torch.vmap(pair))(x)
+        self.assertEqual(_companion_nodes(gm, pair), 1)
+        xg = x.clone().requires_grad_()
+        a, b = gm(xg)
+        (got,) = torch.autograd.grad((a + b).sum(), xg)
+        self.assertEqual(got, 2 * (torch.cos(x) - torch.sin(x)))
 
     def test_an_escaped_batched_tensor_is_a_clear_error(self):
         # make_fx(vmap(f), pre_dispatch=True) records the BatchedTensor as a

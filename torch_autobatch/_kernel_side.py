@@ -20,7 +20,7 @@ from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import utils as _library_utils
 
-from . import _compile, _forward_mode, _vjp, _vmap_presets
+from . import _compile, _forward_mode, _traced_vmap, _vjp, _vmap_presets
 from ._autograd import BackwardContext, num_passed, trailing_defaults
 from ._vmap_check import checked_rule
 
@@ -76,6 +76,7 @@ class OpExtras:
         "vmap_loop",
         "trailing_defaults",
         "vmap_preset",
+        "vmapped_companion",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -113,6 +114,8 @@ class OpExtras:
         self.trailing_defaults: Optional[tuple[Any, ...]] = None
         #: ``vmap="expand_dims"`` / ``"broadcast_all"``, or None (NOTE [vmap presets: the calling convention]).
         self.vmap_preset: Optional[str] = None
+        #: vmap(op)'s one node in a graph trace, once defined (NOTE [One node for vmap(op) in a trace]).
+        self.vmapped_companion: Any = None
 
 
 class KernelSide:
@@ -156,7 +159,12 @@ class KernelSide:
         """Vmap under a graph tracer: may the op's function stand for it (NOTE [A trace keeps the op])?"""
         # A preset calls the op itself, once per level: the trace keeps it.
         preset = self._ab.vmap_preset is not None and self._vmap_fn is None
-        return preset or _compile.dissolves_in_trace(self._opoverload)
+        # Inside a vmapped companion's own function or rules, the op is what they are made of.
+        return preset or _traced_vmap.inside_rules() or _compile.dissolves_in_trace(self._opoverload)
+
+    def _run_vmapped_companion(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """vmap of the op under a graph tracer as one node (NOTE [One node for vmap(op) in a trace]); one value per return."""
+        return _traced_vmap.run(self, args)
 
     def _check_aliasing(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """torch.library's aliasing check, as its backend kernel runs it (NOTE [Calling the composite directly])."""

@@ -1,0 +1,299 @@
+"""vmap(op) in a graph trace is one node at any batch size, and keeps the op's rules.
+
+NOTE [One node for vmap(op) in a trace] (torch_autobatch/_traced_vmap.py):
+under a tracer that keeps the op, vmap(op) is one call of the op's vmapped
+companion on the physical tensors. Every op here has a backward 2x the true
+VJP and a jvp 3x the true JVP, so a graph that lost the rules differentiates
+to the true derivative and fails; the oracles are the plain functions with
+scaled derivatives (twice_grad / thrice_grad), run per example (vmap_loop).
+"""
+
+import warnings
+
+import torch
+from oracles import DTYPE, randn, thrice_grad, twice_grad, vmap_loop
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_autobatch
+from torch_autobatch import _traced_vmap
+
+NS = "tab_traced"
+N = 4
+SIZES = (10, 100, 1000)
+
+
+def plain_f(x, w, *, scale=1.5):
+    return torch.sin(x) * w * scale
+
+
+@torch_autobatch.custom_op(f"{NS}::f", mutates_args=())
+def f(x: torch.Tensor, w: torch.Tensor, *, scale: float = 1.5) -> torch.Tensor:
+    return torch.sin(x) * w * scale
+
+
+def _setup(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.scale = keyword_only_inputs["scale"]
+
+
+def _backward(ctx, g):
+    x, w = ctx.saved_tensors
+    return 2 * g * torch.cos(x) * w * ctx.scale, 2 * g * torch.sin(x) * ctx.scale
+
+
+def _jvp(ctx, tx, tw, tscale):
+    x, w = ctx.saved_tensors
+    out = torch.zeros_like(x)
+    if tx is not None:
+        out = out + 3 * tx * torch.cos(x) * w * ctx.scale
+    if tw is not None:
+        out = out + 3 * tw * torch.sin(x) * ctx.scale
+    return out
+
+
+f.register_autograd(_backward, setup_context=_setup)
+f.register_jvp(_jvp, setup_context=_setup)
+
+
+def plain_two(x):
+    return torch.sin(x), torch.cos(x) * x
+
+
+@torch_autobatch.custom_op(f"{NS}::two", mutates_args=())
+def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return plain_two(x)
+
+
+two.register_autograd(
+    lambda ctx, g0, g1: 2 * (g0 * torch.cos(ctx.x) + g1 * (torch.cos(ctx.x) - ctx.x * torch.sin(ctx.x))),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+)
+
+
+def plain_listed(xs, w):
+    return [torch.sin(x) * w for x in xs]
+
+
+@torch_autobatch.custom_op(f"{NS}::listed", mutates_args=())
+def listed(xs: list[torch.Tensor], w: torch.Tensor) -> list[torch.Tensor]:
+    return plain_listed(xs, w)
+
+
+def _listed_backward(ctx, gs):
+    xs, w = ctx.xs, ctx.w
+    return [2 * g * torch.cos(x) * w for g, x in zip(gs, xs)], sum(2 * g * torch.sin(x) for g, x in zip(gs, xs))
+
+
+listed.register_autograd(
+    _listed_backward,
+    setup_context=lambda ctx, inputs, output: (setattr(ctx, "xs", inputs[0]), setattr(ctx, "w", inputs[1])),
+)
+
+
+@torch_autobatch.custom_op(f"{NS}::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.rand_like(x)
+
+
+@torch_autobatch.custom_op(f"{NS}::dropout", mutates_args=())
+def dropout(x: torch.Tensor) -> torch.Tensor:
+    return x * (torch.rand_like(x) > 0.5)
+
+
+# a 2x backward that reads the kept mask from the output
+dropout.register_autograd(
+    lambda ctx, g: 2 * g * ctx.kept, setup_context=lambda ctx, inputs, output: setattr(ctx, "kept", output != 0)
+)
+
+
+def _trace(how: str, fn, *args):
+    """``fn`` traced by ``how``: (the graph, a callable running it)."""
+    if how.startswith("make_fx_"):
+        gm = make_fx(fn, tracing_mode=how[len("make_fx_") :])(*args)
+        return gm.graph, gm
+    if how == "aot_function":
+        from functorch.compile import aot_function
+
+        graphs = []
+
+        def keep(gm, _):
+            graphs.append(gm.graph)
+            return gm
+
+        compiled = aot_function(fn, fw_compiler=keep, bw_compiler=keep)
+        compiled(*[a.detach().requires_grad_() for a in args]).sum().backward()
+        return graphs[0], compiled  # the forward graph, and the backward's
+
+    class M(torch.nn.Module):
+        def forward(self, x, w):
+            return fn(x, w)
+
+    batch = torch.export.Dim("batch")
+    dynamic = ({0: batch}, {0: batch}) if how == "export_dynamic" else None
+    ep = torch.export.export(M(), args, dynamic_shapes=dynamic).run_decompositions()
+    return ep.graph_module.graph, ep.module()
+
+
+TRACES = ["make_fx_real", "make_fx_fake", "make_fx_symbolic", "export", "export_dynamic", "aot_function"]
+
+
+def vf(x, w):
+    return torch.vmap(f)(x, w)
+
+
+def _inputs(b: int):
+    return randn(b, N, seed=b), randn(b, N, seed=b + 1)
+
+
+class TestOneNode(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("error", message=".*is being traced into a graph")
+
+    def tearDown(self):
+        self._warnings.__exit__(None, None, None)
+        super().tearDown()
+
+    @parametrize("how", TRACES)
+    def test_node_count_does_not_grow_with_the_batch(self, how):
+        counts = {len(_trace(how, vf, *_inputs(b))[0].nodes) for b in SIZES}
+        self.assertEqual(len(counts), 1, counts)
+        graph, _ = _trace(how, vf, *_inputs(10))
+        companion = _traced_vmap.companion(f)._opoverload
+        self.assertEqual(sum(n.target is companion for n in graph.nodes), 1)
+        self.assertEqual(sum(n.target is f._opoverload for n in graph.nodes), 0)
+
+    @parametrize("how", TRACES)
+    def test_the_traced_program_differentiates_by_the_registered_backward(self, how):
+        _, run = _trace(how, vf, *_inputs(5))
+        x, w = _inputs(7 if "dynamic" in how or "symbolic" in how else 5)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        got = torch.autograd.grad(run(xg, wg).sum(), (xg, wg))
+        xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+        expected = torch.autograd.grad(vmap_loop(twice_grad(plain_f), 0, xe, we).sum(), (xe, we))
+        self.assertEqual(got, expected)
+
+    @parametrize("how", ["make_fx_real", "make_fx_fake", "make_fx_symbolic", "export"])
+    def test_the_traced_program_has_the_registered_jvp(self, how):
+        _, run = _trace(how, vf, *_inputs(5))
+        x, w = _inputs(5)
+        tangents = (torch.ones_like(x), torch.full_like(w, 0.5))
+        got = torch.func.jvp(run, (x, w), tangents)[1]
+        expected = torch.func.jvp(lambda x, w: vmap_loop(thrice_grad(plain_f), 0, x, w), (x, w), tangents)[1]
+        self.assertEqual(got, expected)
+
+    @parametrize("mode", ["real", "symbolic"])
+    def test_vmap_of_grad_and_grad_of_vmap_traced(self, mode):
+        x, w = _inputs(6)
+        per_example = torch.vmap(torch.func.grad(lambda x, w: f(x, w).sum()))
+        expected = vmap_loop(torch.func.grad(lambda x, w: twice_grad(plain_f)(x, w).sum()), 0, x, w)
+        self.assertEqual(make_fx(per_example, tracing_mode=mode)(x, w)(x, w), expected)
+        of_vmap = torch.func.grad(lambda x, w: torch.vmap(f)(x, w).sum())
+        self.assertEqual(make_fx(of_vmap, tracing_mode=mode)(x, w)(x, w), expected)
+
+    def test_in_dims_and_unbatched_arguments(self):
+        x, w = randn(N, 6, seed=1), randn(N, seed=2)
+        fn = torch.vmap(lambda x, w: f(x, w, scale=0.5), in_dims=(1, None))
+        gm = make_fx(fn)(x, w)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        got = torch.autograd.grad(gm(xg, wg).sum(), (xg, wg))
+        xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+        plain = twice_grad(lambda x, w: plain_f(x, w, scale=0.5))
+        expected = torch.autograd.grad(vmap_loop(plain, (1, None), xe, we).sum(), (xe, we))
+        self.assertEqual(got, expected)
+
+    @parametrize("mode", ["real", "symbolic"])
+    def test_multiple_and_list_returns(self, mode):
+        x, w = _inputs(5)
+        for op, plain, args in ((two, plain_two, (x,)), (listed, plain_listed, ([x, w], w[0]))):
+            in_dims = 0 if op is two else (0, None)
+            gm = make_fx(torch.vmap(op, in_dims=in_dims), tracing_mode=mode)(*args)
+            self.assertEqual(len([n for n in gm.graph.nodes if "_vmapped_" in str(n.target)]), 1)
+            leaves = [a.clone().requires_grad_() for a in (x, w)]
+            call = (leaves[0],) if op is two else ([leaves[0], leaves[1]], w[0])
+            got = torch.autograd.grad(sum(o.sum() for o in gm(*call)), leaves[: 1 if op is two else 2])
+            expected_leaves = [a.clone().requires_grad_() for a in (x, w)]
+            call = (expected_leaves[0],) if op is two else ([expected_leaves[0], expected_leaves[1]], w[0])
+            outs = vmap_loop(twice_grad(plain), in_dims, *call)
+            expected = torch.autograd.grad(sum(o.sum() for o in outs), expected_leaves[: 1 if op is two else 2])
+            self.assertEqual(got, expected)
+
+    @parametrize("mode", ["real", "symbolic"])
+    def test_nested_vmap(self, mode):
+        counts = set()
+        for b in (3, 30):
+            x, w = randn(2, b, N, seed=b), randn(2, b, N, seed=b + 1)
+            gm = make_fx(lambda x, w: torch.vmap(torch.vmap(f))(x, w), tracing_mode=mode)(x, w)
+            counts.add(len(gm.graph.nodes))
+        self.assertEqual(len(counts), 1, counts)
+        xg = x.clone().requires_grad_()
+        (got,) = torch.autograd.grad(gm(xg, w).sum(), xg)
+        self.assertEqual(got, 2 * torch.cos(x) * w * 1.5)
+
+    @parametrize("randomness", ["same", "different"])
+    def test_randomness(self, randomness):
+        x = torch.zeros(8, N, dtype=DTYPE)
+        counts = {len(make_fx(torch.vmap(noisy, randomness=randomness))(torch.zeros(b, N)).graph.nodes) for b in SIZES}
+        self.assertEqual(len(counts), 1, counts)
+        gm = make_fx(torch.vmap(noisy, randomness=randomness))(x)
+        out = gm(x)
+        same = all(torch.equal(out[0], row) for row in out[1:])
+        self.assertEqual(same, randomness == "same")
+
+    @parametrize("randomness", ["same", "different"])
+    def test_a_random_op_s_traced_backward_differentiates_the_draw_that_ran(self, randomness):
+        # The companion's backward recomputes the forward: with the forward's random state put
+        # back, the mask is the one the output shows (another draw would silently mismatch).
+        x = torch.rand(16, 64, dtype=DTYPE) + 1  # no zero: an output is 0 exactly where masked
+        gm = make_fx(torch.vmap(dropout, randomness=randomness))(x)
+        for _ in range(3):
+            xg = x.clone().requires_grad_()
+            out = gm(xg)
+            (got,) = torch.autograd.grad(out.sum(), xg)
+            self.assertEqual(got, 2.0 * (out != 0).to(DTYPE))
+
+    def test_compile_aot_eager_keeps_the_rules(self):
+        torch._dynamo.reset()
+        x, w = _inputs(9)
+        compiled = torch.compile(torch.vmap(f), backend="aot_eager", fullgraph=True)
+        xg = x.clone().requires_grad_()
+        (got,) = torch.autograd.grad(compiled(xg, w).sum(), xg)
+        self.assertEqual(got, 2 * torch.cos(x) * w * 1.5)
+
+    def test_inductor_fuses_through_an_exported_companion(self):
+        # Inductor's table lists the companion too (compile="fuse"): an
+        # exported program holding it compiles to one fused kernel.
+        from torch._inductor.utils import run_and_get_code
+
+        torch._dynamo.reset()
+        x, w = _inputs(8)
+        _, run = _trace("export", vf, x, w)
+        out, code = run_and_get_code(torch.compile(run, backend="inductor"), x, w)
+        self.assertNotIn(f"ops.{NS}.", "\n".join(code))  # no extern call
+        self.assertEqual(out, plain_f(x, w))
+
+    def test_a_name_taken_by_another_op_is_an_error(self):
+        op = torch_autobatch.custom_op(
+            f"{NS}::taken", lambda x: x.sin(), mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        torch_autobatch.custom_op(
+            f"{NS}::_vmapped_taken", lambda x: x.cos(), mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        with self.assertRaisesRegex(
+            RuntimeError, f"companion {NS}::_vmapped_taken, but an operator of that name exists"
+        ):
+            make_fx(torch.vmap(op))(torch.ones(2, 3))
+
+
+instantiate_parametrized_tests(TestOneNode)
+
+if __name__ == "__main__":
+    run_tests()
