@@ -114,6 +114,18 @@ def _grad_configs(case: _Case) -> list[tuple[str, list[bool]]]:
     return configs
 
 
+def _compare_with_loop(case: _Case, got: list[Any], expected: list[Any], what: str, label: str) -> None:
+    """``got`` (a transform's) against a loop of eager ``.backward()``; a failure says which and where."""
+    try:
+        _compare(got, expected, case.diff_names(), case.atol, case.rtol, what)
+    except _Fail as f:
+        raise _Fail(
+            f"{what} ({label}) vs a loop of eager .backward(): {f.why.split(': ', 1)[1]}",
+            argument=f.argument,
+            max_error=f.max_error,
+        ) from None
+
+
 def _check_vmap_grad(case: _Case, exhaustive: bool) -> None:
     _need_backward(case)
     from torch.func import grad, vmap
@@ -125,14 +137,7 @@ def _check_vmap_grad(case: _Case, exhaustive: bool) -> None:
         got = vmap(grad(lambda *p: case.loss(case.floats_of(p)), argnums=argnums), in_dims=in_dims)(*xs)
         loop = [case.eager_vjp(primals=[x[k] if b else x for x, b in zip(xs, batched)]) for k in range(_BATCH)]
         expected = [torch.stack([loop[k][j] for k in range(_BATCH)]) for j in range(len(case.diff))]
-        try:
-            _compare(list(got), expected, case.diff_names(), case.atol, case.rtol, "vmap(grad)")
-        except _Fail as f:
-            raise _Fail(
-                f"vmap(grad) ({label}) vs a loop of eager .backward(): {f.why.split(': ', 1)[1]}",
-                argument=f.argument,
-                max_error=f.max_error,
-            ) from None
+        _compare_with_loop(case, list(got), expected, "vmap(grad)", label)
 
 
 def _check_grad_vmap(case: _Case, exhaustive: bool) -> None:
@@ -154,14 +159,7 @@ def _check_grad_vmap(case: _Case, exhaustive: bool) -> None:
             torch.stack([loop[k][j] for k in range(_BATCH)]) if b else sum(loop[k][j] for k in range(_BATCH))
             for j, b in enumerate(batched)
         ]
-        try:
-            _compare(list(got), expected, case.diff_names(), case.atol, case.rtol, "grad(vmap)")
-        except _Fail as f:
-            raise _Fail(
-                f"grad(vmap) ({label}) vs a loop of eager .backward(): {f.why.split(': ', 1)[1]}",
-                argument=f.argument,
-                max_error=f.max_error,
-            ) from None
+        _compare_with_loop(case, list(got), expected, "grad(vmap)", label)
 
 
 def _check_vmap_jvp(case: _Case, exhaustive: bool) -> None:
