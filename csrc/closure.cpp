@@ -11,11 +11,20 @@
 // closing over a tracer). If it is batched by a vmap level that is not on
 // the stack when the op runs (the op was called under that vmap with no
 // batched argument, so it runs below the level), functorch fails with "your
-// tensor may have escaped", naming neither the op nor the cause. Both get an
+// tensor may have escaped", naming neither the op nor the cause. A tensor
+// wrapped by a grad or jvp level above the vmap level the function runs at
+// once (a non-differentiated argument of torch.func.grad, all of which it
+// wraps) cannot be used there either (functorch's INTERNAL ASSERT). All get an
 // error naming the op, the function and the variable, and the fix: pass the
 // tensor as an argument. What is checked: each cell of the functions'
-// closures, each tensor default and each global name that held a tensor when
-// the rule was registered, one level deep into tuples and lists.
+// closures, each tensor default, each global name the code loads that held a
+// tensor, None or nothing when the rule was registered (a tensor may be put
+// there later), and each chain of attributes the code reads off a global or a
+// cell (`model.lin.weight`: functional_call swaps its wrappers in there) that
+// reached a tensor, None or an unset attribute then; all one level deep into
+// tuples and lists. Chains are followed through stored data only (a module's
+// or instance's dict, an nn.Module's parameters, buffers and submodules): no
+// property or __getattr__ runs on the op's call path (_closure.py, Chain).
 // Only ops whose user code has such cells pay (has_closure); a tensor that is
 // also an argument of the call is the argument's business.
 #include "functorch.h"
@@ -39,6 +48,11 @@ constexpr const char* kTangent =
 constexpr const char* kEscaped =
     "a tensor batched by an enclosing vmap, and the op runs below that vmap level (none of its "
     "arguments is batched there), where the tensor cannot be used";
+
+constexpr const char* kAbove =
+    "a tensor that a torch.func transform inside the enclosing vmap holds (grad, vjp, jacrev and "
+    "jvp wrap every tensor passed to them), and under that vmap the op's function runs once, below "
+    "the transform, where the tensor cannot be used";
 
 // Is `t` (one functorch layer of a closure tensor, or the plain tensor under
 // them) differentiated at its own level?
@@ -72,6 +86,10 @@ const char* closure_problem(
       if (!batched_kernel) {
         // A wrapper of another level is that level's kernel's business.
         return l == level && w->is_alive() ? tracked(t, grad_mode) : nullptr;
+      }
+      if (l > level && w->is_alive()) { // functorch's INTERNAL ASSERT (sanityCheckStack) otherwise
+        const char* problem = tracked(t, grad_mode);
+        return problem != nullptr ? problem : kAbove;
       }
       if (l < level && w->is_alive()) {
         if (const char* problem = tracked(t, grad_mode)) {
@@ -121,6 +139,13 @@ void check_closure(
         continue;
       }
     }
+    py::object reached; // an attribute chain's end (model.lin.weight), kept alive here
+    py::handle shown = item[1];
+    if (item.size() > 3) {
+      reached = item[3](value); // Chain (_closure.py): stored data only, no user code
+      value = reached;
+      shown = item[4];
+    }
     std::vector<py::handle> candidates{value};
     if (PyTuple_Check(value.ptr()) || PyList_Check(value.ptr())) {
       for (const py::handle e : py::reinterpret_borrow<py::sequence>(value)) {
@@ -139,8 +164,8 @@ void check_closure(
       TORCH_CHECK(
           problem == nullptr, "torch_autobatch: ", state.qualname, ": ",
           py::str(item[0]).cast<std::string>(), " closes over '",
-          py::str(item[1]).cast<std::string>(), "', ", problem, ". Pass '",
-          py::str(item[1]).cast<std::string>(),
+          py::str(shown).cast<std::string>(), "', ", problem, ". Pass '",
+          py::str(shown).cast<std::string>(),
           "' to the op as an argument (and give its gradient in the backward), or detach it "
           "if it is a constant.");
     }

@@ -14,6 +14,7 @@ error instead of functorch's "your tensor may have escaped".
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -140,13 +141,159 @@ class TestGlobals(TestCase):
             else:
                 vmap(self.op)(x).sum().backward()
 
+    def test_a_tensor_grad_wraps_under_vmap(self) -> None:
+        # torch.func.grad wraps every tensor passed to it; the op's function runs below it under vmap
+        global WEIGHT
+        x, w = randn(2, 3, seed=0), WEIGHT
+
+        def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            global WEIGHT
+            WEIGHT = w  # not differentiated, but wrapped at grad's level
+            try:
+                return self.op(x).sum()
+            finally:
+                WEIGHT = plain  # the backward reads it after loss returned
+
+        plain = w.clone()
+        with self.assertRaisesRegex(
+            RuntimeError, r"_weighted closes over 'WEIGHT', a tensor that a torch.func transform inside the enclosing vmap"
+        ):
+            vmap(grad(loss), (0, None))(x, w)  # was functorch's INTERNAL ASSERT (sanityCheckStack)
+        self.assertEqual(grad(loss)(x[0], w), 2 * w)  # without vmap: the right value
+
     def test_a_global_constant_works(self) -> None:
         x = randn(3, seed=0)
         self.assertEqual(grad(lambda x: self.op(x).sum())(x), 2 * WEIGHT)
 
 
+class _Scaler(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 3, bias=False)
+
+
+# A module-level nn.Module the op reads parameters off (`SCALER.inner.weight`),
+# and a global the op reads that is defined only after the op (`LATER`).
+SCALER = _Scaler().double()
+
+
+def _through_module(x: torch.Tensor) -> torch.Tensor:
+    return x @ SCALER.inner.weight.t()
+
+
+def _through_later(x: torch.Tensor) -> torch.Tensor:
+    return x * LATER
+
+
+class TestAttributeChains(TestCase):
+    """Tensors reached through attributes of a global or a closed-over object, or through a global set after the op."""
+
+    def make(self, fn: Callable[..., Any], kind: str, weight: Callable[[], torch.Tensor]) -> Any:
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_closures"), fn, mutates_args=(), vmap="loop" if kind == "loop" else "auto"
+        )
+        if kind == "vjp":
+            op.register_vjp(lambda x: (fn(x), None), lambda res, g: 2 * g @ weight())
+        else:
+            op.register_autograd(lambda ctx, g: 2 * g @ weight(), setup_context=lambda ctx, inputs, output: None)
+        op.register_jvp(lambda ctx, t: 3 * t @ weight().t(), setup_context=lambda ctx, inputs, output: None)
+        if kind == "rule":
+            op.register_vmap(lambda info, in_dims, x: (fn(x), in_dims[0]))
+        return op
+
+    @parametrize("transform", ["backward", "vmap_backward", "grad", "jvp", "vmap_grad"])
+    @parametrize("kind", KINDS)
+    def test_a_parameter_of_a_global_module_raises(self, kind: str, transform: str) -> None:
+        op = self.make(_through_module, kind, lambda: SCALER.inner.weight)
+        x = randn(2, 3, seed=0)
+        params = {k: v.detach() for k, v in SCALER.named_parameters()}  # differentiated by the transform only
+
+        checks: dict[str, Callable[[], Any]] = {
+            "backward": lambda: op(x[0]).sum().backward(),  # the nn.Parameter requires grad
+            "vmap_backward": lambda: vmap(op)(x).sum().backward(),
+            "grad": lambda: grad(lambda p: _call_in(SCALER, p, lambda: op(x[0]).sum()))(params),
+            "jvp": lambda: jvp(lambda p: _call_in(SCALER, p, lambda: op(x[0])), (params,), (params,)),
+            "vmap_grad": lambda: vmap(grad(lambda p, x: _call_in(SCALER, p, lambda: op(x).sum())), (None, 0))(
+                params, x
+            ),
+        }
+        with self.assertRaisesRegex(RuntimeError, r"_through_module closes over 'SCALER.inner.weight', a tensor"):
+            checks[transform]()
+
+    @parametrize("kind", KINDS)
+    def test_a_cell_objects_attribute_raises(self, kind: str) -> None:
+        holder = types.SimpleNamespace(w=randn(3, seed=1))
+
+        def scaled(x: torch.Tensor) -> torch.Tensor:
+            return x * holder.w
+
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_closures"), scaled, mutates_args=(), vmap="loop" if kind == "loop" else "auto"
+        )
+        if kind == "vjp":
+            op.register_vjp(lambda x: (x * holder.w, None), lambda res, g: 2 * g * holder.w)
+        else:
+            op.register_autograd(lambda ctx, g: 2 * g * holder.w, setup_context=lambda ctx, inputs, output: None)
+        if kind == "rule":
+            op.register_vmap(lambda info, in_dims, x: (x * holder.w, in_dims[0]))
+        x = randn(2, 3, seed=0)
+        self.assertEqual(vmap(grad(lambda x: op(x).sum()))(x), 2 * holder.w.expand(2, -1))  # a constant: works
+
+        def f(w: torch.Tensor) -> torch.Tensor:
+            holder.w = w  # the transform's wrapper, set on the object
+            return vmap(op)(x).sum()
+
+        with self.assertRaisesRegex(RuntimeError, r"scaled closes over 'holder.w', a tensor that requires grad"):
+            grad(f)(randn(3, seed=1))
+
+    def test_a_global_defined_after_the_op(self) -> None:
+        global LATER
+        op = self.make(_through_later, "composite", lambda: torch.eye(3, dtype=torch.float64) * LATER)
+        LATER = randn(3, seed=1)
+        x = randn(3, seed=0)
+        self.assertEqual(grad(lambda x: op(x).sum())(x), 2 * LATER)
+        with self.assertRaisesRegex(RuntimeError, r"_through_later closes over 'LATER', a tensor that requires grad"):
+            grad(lambda w: _set_later(w) + op(x).sum())(LATER)
+
+    def test_constants_and_stored_data_only(self) -> None:
+        # A buffer and a frozen parameter read through a global module are constants; a property is never run by the check.
+        class Holder:
+            runs = 0
+
+            @property
+            def w(self) -> torch.Tensor:
+                Holder.runs += 1
+                return SCALER.inner.weight.detach()
+
+        holder = Holder()
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return x @ holder.w.t() + x @ SCALER.inner.weight.detach().t()
+
+        op = self.make(f, "composite", lambda: SCALER.inner.weight.detach())
+        x = randn(3, seed=0)
+        with torch.no_grad():
+            op(x)
+        runs = Holder.runs
+        self.assertEqual(grad(lambda x: op(x).sum())(x), 2 * SCALER.inner.weight.detach().sum(0))
+        self.assertEqual(Holder.runs, runs + 1)  # the function's own read, not the check's
+
+
+def _call_in(module: torch.nn.Module, params: dict[str, torch.Tensor], body: Callable[[], Any]) -> Any:
+    """Runs ``body`` with ``params`` swapped into ``module`` (what functional_call does around forward)."""
+    with torch.nn.utils.stateless._reparametrize_module(module, params):
+        return body()
+
+
+def _set_later(w: torch.Tensor) -> torch.Tensor:
+    global LATER
+    LATER = w
+    return w.sum() * 0
+
+
 instantiate_parametrized_tests(TestClosures)
 instantiate_parametrized_tests(TestGlobals)
+instantiate_parametrized_tests(TestAttributeChains)
 
 if __name__ == "__main__":
     run_tests()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import builtins
+import dis
+import sys
+import types
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -10,27 +14,152 @@ import torch
 if TYPE_CHECKING:
     from ._kernel_side import KernelSide
 
+_MISSING = object()
 
-def _closure_of(fn: Optional[Callable[..., Any]]) -> list[tuple[str, str, Any]]:
-    """``fn``'s closure cells, tensor defaults and tensor globals, as (function, variable, cell, value or globals)."""
+
+def _static_attr(obj: Any, name: str) -> Any:
+    """``obj.name`` where it is stored data (a module's or instance's dict, an ``nn.Module``'s tensors), else ``_MISSING``.
+
+    No property, ``__getattr__`` or descriptor runs: the kernels look chains up
+    on every call, and user code must not run there.
+    """
+    if isinstance(obj, torch.Tensor):
+        return _MISSING  # its attributes are properties (.T, .grad, .data)
+    if isinstance(obj, torch.nn.Module):
+        state = obj.__dict__
+        for store in ("_parameters", "_buffers", "_modules"):
+            if name in state.get(store, ()):
+                return state[store][name]  # functional_call swaps its wrappers in here
+        return state.get(name, _MISSING)
+    stored = getattr(obj, "__dict__", None) if isinstance(obj, (types.ModuleType, type)) else vars_of(obj)
+    return stored.get(name, _MISSING) if stored is not None else _MISSING
+
+
+def vars_of(obj: Any) -> Optional[Any]:
+    """An instance's own ``__dict__``, or None (slots, builtins)."""
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+
+
+class Chain:
+    """Resolves ``var.a.b`` from ``var``'s value as far as stored data goes, for the C++ check (called per op call)."""
+
+    def __init__(self, attrs: tuple[str, ...]) -> None:
+        self.attrs = attrs
+
+    def __call__(self, value: Any) -> Any:
+        for attr in self.attrs:
+            found = _static_attr(value, attr)
+            if found is _MISSING:
+                return value
+            value = found
+        return value
+
+
+def _checked_attrs(value: Any, attrs: tuple[str, ...]) -> tuple[str, ...]:
+    """The part of the chain worth checking: up to a tensor it reaches below its root, or a slot one may fill later.
+
+    Empty when the chain reaches nothing of the kind (a function, a number).
+    """
+    for depth, attr in enumerate(attrs):
+        if isinstance(value, torch.Tensor):
+            return attrs[:depth]  # .shape, .T: the tensor itself is what is checked
+        found = _static_attr(value, attr)
+        if found is _MISSING:
+            # unset on an instance whose class does not define it: set later
+            unset = vars_of(value) is not None and not isinstance(value, (type, types.ModuleType))
+            return attrs if unset and not hasattr(type(value), attr) else ()
+        value = found
+    if value is None or isinstance(value, torch.Tensor):
+        return attrs
+    return attrs if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value) else ()
+
+
+# Reading these off a tensor gives nothing differentiable: a variable read only
+# for them (`W.shape`, `model.weight.detach()`) is not checked.
+_METADATA = frozenset(
+    "shape dtype device ndim layout is_cuda is_sparse requires_grad size dim numel nelement stride "
+    "element_size is_contiguous is_floating_point is_complex data_ptr storage_offset names detach data "
+    "item tolist".split()
+)
+
+
+def _loads(code: types.CodeType) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """Each global or closure variable ``code`` loads as a tensor may be, with the attributes read off it (kind, name, attrs).
+
+    Loads read only for metadata (``_METADATA``) are left out.
+    """
+    instructions = list(dis.get_instructions(code))
+    for i, ins in enumerate(instructions):
+        if ins.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF"):
+            continue
+        attrs: list[str] = []
+        metadata = False
+        for nxt in instructions[i + 1 :]:
+            is_attr = nxt.opname == "LOAD_ATTR"
+            # LOAD_METHOD (3.11) or LOAD_ATTR's method flag (3.12+): the method called is not data
+            method = nxt.opname == "LOAD_METHOD" or (
+                is_attr and sys.version_info >= (3, 12) and bool((nxt.arg or 0) & 1)
+            )
+            if not (is_attr or method):
+                break
+            metadata = nxt.argval in _METADATA
+            if metadata or method:
+                break
+            attrs.append(nxt.argval)
+        if metadata:
+            continue
+        yield ("global" if ins.opname == "LOAD_GLOBAL" else "cell"), ins.argval, tuple(attrs)
+
+
+def _closure_of(fn: Optional[Callable[..., Any]]) -> list[tuple[Any, ...]]:
+    """``fn``'s entries for the check: (function, variable, cell or globals or value[, Chain, shown name])."""
     fn = getattr(fn, "__func__", fn)  # a bound method's function
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", "its function"))
-    entries = [(name, var, cell) for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ())]
+    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
+    entries: list[tuple[Any, ...]] = [(name, var, cell) for var, cell in cells.items()]
     defaults = getattr(fn, "__defaults__", None) or ()
     positional = code.co_varnames[: code.co_argcount]
     for var, value in zip(positional[len(positional) - len(defaults) :], defaults):
         if isinstance(value, torch.Tensor):
             entries.append((name, var, value))
     # Globals are read by name at each call: the module's dict is handed over,
-    # for the names that hold a tensor now.
+    # for the names that hold a tensor now or may later (None, or not yet defined).
     module_globals = getattr(fn, "__globals__", None) or {}
-    for var in code.co_names:
-        if isinstance(module_globals.get(var), torch.Tensor):
-            entries.append((name, var, module_globals))
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    for kind, var, attrs in _loads(code):
+        if kind == "cell" and var not in cells:
+            continue
+        if kind == "global":
+            holder: Any = module_globals
+            value = module_globals.get(var, _MISSING)
+            if value is _MISSING and hasattr(builtins, var):
+                continue
+            unknown = value is _MISSING or value is None  # defined or set after the op
+            if (var, ()) not in seen and (unknown or isinstance(value, torch.Tensor)):
+                entries.append((name, var, holder))
+            seen.add((var, ()))
+        else:
+            holder = cells[var]
+            value = _cell_value(holder)
+            unknown = value is _MISSING or value is None
+        attrs = attrs if unknown else _checked_attrs(value, attrs)
+        if attrs and (var, attrs) not in seen:
+            entries.append((name, var, holder, Chain(attrs), ".".join((var, *attrs))))
+        seen.add((var, attrs))
     return entries
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # empty
+        return _MISSING
 
 
 def refresh(op: KernelSide) -> None:
