@@ -1,7 +1,8 @@
 """AOTInductor packages of models that use our ops (issue 37): NOTE [AOTInductor names a Python op].
 
 A fused op's function is compiled into the ``.pt2``: the package runs in a
-fresh process that imports torch only, not this package nor the op's module.
+fresh process that imports torch only, not this package nor the op's module,
+and from C++ (``test/cpp/aoti_run.cpp``, linked with libtorch, not libpython).
 An op that stays a Python call (``compile="opaque"``, a function that leaves
 torch) makes ``aoti_compile_and_package`` warn, naming the op and why.
 Each package takes ~10-20 s to compile on a 2-core machine (a C++ build).
@@ -10,10 +11,12 @@ Each package takes ~10-20 s to compile on a 2-core machine (a C++ build).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import unittest
 import warnings
 
 import numpy as np
@@ -88,6 +91,30 @@ _LOAD = textwrap.dedent(
 )
 
 
+def _cpp_build_command(target: str) -> list[str]:
+    """g++ building test/cpp/aoti_run.cpp against the installed torch's headers and libtorch (a few seconds)."""
+    from torch.utils import cpp_extension
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpp", "aoti_run.cpp")
+    libs = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        "g++",
+        "-std=c++20",  # torch >= 2.14 needs it; 2.13's headers take it
+        "-O1",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{d}" for d in cpp_extension.include_paths()),
+        source,
+        "-o",
+        target,
+        *(f"-L{d}" for d in libs),
+        *(f"-Wl,-rpath,{d}" for d in libs),
+        "-ltorch",
+        "-ltorch_cpu",
+        "-lc10",
+    ]
+
+
 class TestAOTInductor(TestCase):
     def test_fused_op_runs_in_a_process_without_its_module(self):
         x, w = torch.randn(4, 8), torch.randn(8)
@@ -100,6 +127,24 @@ class TestAOTInductor(TestCase):
                 [sys.executable, "-c", _LOAD, pt2, inputs, output], check=True, timeout=300, env=env, cwd=tmp
             )
             out = torch.load(output)
+        with torch.no_grad():
+            torch.testing.assert_close(out, Fused(plain=True)(x, w))
+
+    @unittest.skipIf(shutil.which("g++") is None, "needs a C++ compiler")
+    def test_fused_op_runs_from_cpp_without_python(self):
+        # test/cpp/aoti_run.cpp links libtorch only; it runs the package with no Python in the process
+        x, w = torch.randn(4, 8), torch.randn(8)
+        with tempfile.TemporaryDirectory() as tmp:
+            pt2, runner, output = (os.path.join(tmp, n) for n in ("m.pt2", "aoti_run", "out.bin"))
+            self.assertEqual(_package(Fused(plain=False), (x, w), pt2), [])
+            subprocess.run(_cpp_build_command(runner), check=True, timeout=300, capture_output=True)
+            self.assertNotIn("libpython", subprocess.run(["ldd", runner], capture_output=True, text=True).stdout)
+            inputs = []
+            for name, t in (("x", x), ("w", w)):
+                t.numpy().tofile(os.path.join(tmp, f"{name}.bin"))
+                inputs.append(os.path.join(tmp, f"{name}.bin") + ":" + ",".join(map(str, t.shape)))
+            subprocess.run([runner, pt2, output, *inputs], check=True, timeout=300, env={}, cwd=tmp)
+            out = torch.from_numpy(np.fromfile(output, dtype=np.float32)).reshape(4, 8)
         with torch.no_grad():
             torch.testing.assert_close(out, Fused(plain=True)(x, w))
 
