@@ -186,7 +186,8 @@ def _define(op: KernelSide) -> Any:
         # Plain code, no context managers: this runs on every call of a graph.
         # NOTE [A companion's function runs vmap below a mode]
         _state.depth = getattr(_state, "depth", 0) + 1
-        _state.rng = _random_state(args)  # read by this call's setup_context (_save)
+        # read by this call's setup_context (_save); NOTE [A companion draws what its forward drew]
+        _state.rng = _random_state(args) if args[n + 1] != "error" or not _composite(op) else None
         try:
             guard = _functorch_guard()
             if guard is None:
@@ -199,6 +200,7 @@ def _define(op: KernelSide) -> Any:
     function.__name__ = function.__qualname__ = f"{PREFIX}{op._name}"
     # Our CustomOpDef (type(op)): a companion is an op like any other.
     made: Any = type(op)(namespace, name, _schema(op), function, None)  # type: ignore[call-arg]
+    made._companion_of = op
     made.register_autograd(
         lambda ctx, *grads: _backward(op, n, ctx, grads), setup_context=lambda ctx, inputs, output: _save(ctx, inputs)
     )
@@ -209,6 +211,26 @@ def _define(op: KernelSide) -> Any:
 
 
 _SAVED = object()  # a saved tensor's place among ctx.leaves
+
+
+# NOTE [A companion draws what its forward drew]
+# The companion's backward and jvp recompute the forward; for an op that draws
+# random numbers, they must draw what it drew, so the random state before the
+# forward is kept with the node and put back around the recompute. Reading it
+# (the CPU generator's state and each input device's) is most of a small
+# companion's own cost per call, so it is skipped where the forward cannot
+# have drawn: under randomness="error" functorch refuses every random op of
+# a composite run on BatchedTensors. A loop, a vmap preset or a register_vmap
+# rule runs below the level, where functorch does not see a draw: those keep it.
+def _composite(op: KernelSide) -> bool:
+    """Does the op's batched kernel run its function on BatchedTensors (where functorch checks randomness)?
+
+    A companion's function is vmap of its op: composite where that op is (nested vmap).
+    """
+    inner = getattr(op, "_companion_of", None)
+    if inner is not None:
+        return _composite(inner)
+    return not op._ab.vmap_loop and op._ab.vmap_preset is None and op._vmap_fn is None
 
 
 def _random_state(args: tuple[Any, ...]) -> tuple[Any, ...]:
