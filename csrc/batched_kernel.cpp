@@ -144,8 +144,8 @@ class BatchedKernel final : public c10::OperatorKernel {
           c10::AutogradState::get_tls_state().get_fw_grad_mode() && !state_->has_jvp.load());
       if (mode == VmapMode::Rule) {
         run_rule(op, stack);
-      } else {
-        run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args);
+      } else if (!run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args)) {
+        return; // its companion ran instead (a recorded trace refused a constant)
       }
       if (attaches && !state_->returns_an_argument) {
         batch_every_output(inputs, num_returns, stack);
@@ -181,7 +181,8 @@ class BatchedKernel final : public c10::OperatorKernel {
   // as the plain function does. Only failing ops pay for the extra level.
   // The first call runs the composite up to the failing op twice, so random
   // ops before it draw twice.
-  void run_composite(
+  // Returns false where the op's vmapped companion ran instead.
+  bool run_composite(
       const c10::OperatorHandle& op,
       const at::Tensor& physical,
       torch::jit::Stack* stack,
@@ -199,11 +200,49 @@ class BatchedKernel final : public c10::OperatorKernel {
       stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
       stack->insert(stack->end(), args.begin(), args.end());
       run_composite_once(op, physical, stack, /*decompose=*/true, /*may_retry=*/false);
+    } catch (FakeConstantRefused& refused) {
+      // NOTE [A fake run of the function reads its tensor constants]
+      // (torch_autobatch/_compile.py): a metadata-only run lets the fake mode
+      // take them, and runs again; in a run a graph tracer records (Inductor
+      // decomposing vmap(op)), the op's companion is recorded instead, one
+      // node that reads them when it runs.
+      py::gil_scoped_acquire gil;
+      py::object compile = py::module_::import("torch_autobatch._compile");
+      py::object mode = compile.attr("allow_constants")(py::make_tuple(physical));
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+      stack->insert(stack->end(), args.begin(), args.end());
+      if (mode.is_none()) {
+        if (!has_companion(*state_, op.schema())) {
+          throw std::move(refused.error);
+        }
+        {
+          py::gil_scoped_release no_gil;
+          run_companion(*state_, op, stack);
+        }
+        compile.attr("keep_companion_opaque")(state_->opdef());
+        return false;
+      }
+      try {
+        py::gil_scoped_release no_gil;
+        run_composite_once(op, physical, stack, decompose, /*may_retry=*/false);
+      } catch (...) {
+        compile.attr("disallow_constants")(mode);
+        throw;
+      }
+      compile.attr("disallow_constants")(mode);
     }
+    return true;
   }
 
   // Thrown by run_composite_once when a decomposing rerun may succeed.
   struct MissingBatchingRule {};
+
+  // Thrown by run_composite_once when FakeTensorMode refused a real tensor
+  // the function reads (not an argument): a run that only computes metadata
+  // may take it.
+  struct FakeConstantRefused {
+    python_error error;
+  };
 
   void run_composite_once(
       const c10::OperatorHandle& op,
@@ -255,6 +294,11 @@ class BatchedKernel final : public c10::OperatorKernel {
   // from them, is the user's: its type and message stay as raised.
   [[noreturn]] void handle_composite_error(python_error& e, bool may_retry) const {
     e.persist();
+    if (e.type == PyExc_AssertionError &&
+        std::string(e.what()).find("Please convert all Tensors to FakeTensors first") !=
+            std::string::npos) {
+      throw FakeConstantRefused{std::move(e)};
+    }
     const bool is_torch_error = e.type == PyExc_RuntimeError || e.type == PyExc_NotImplementedError;
     if (!is_torch_error || !looks_like_batching_failure(e.what())) {
       throw std::move(e);

@@ -92,9 +92,6 @@ void run_loop_empty(
 
 using functorch::DynamicLayer;
 
-namespace {
-
-// Does the op have a vmapped companion (NOTE [A trace keeps the op])?
 bool has_companion(const OpState& state, const c10::FunctionSchema& schema) {
   if (schema.is_mutable() || state.returns_an_argument) {
     return false;
@@ -107,6 +104,8 @@ bool has_companion(const OpState& state, const c10::FunctionSchema& schema) {
                 c10::TypeKind::TensorType);
   });
 }
+
+namespace {
 
 // NOTE [Residuals of register_vjp]: an open request belongs to the batched
 // call; a call made for it (one example's, the companion's) must not answer

@@ -55,6 +55,9 @@ bool run_companion_or_loop(
 // returns, batched at dim 0 of that level.
 void run_companion(const OpState& state, const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
+// Does the op have a vmapped companion (NOTE [A trace keeps the op])?
+bool has_companion(const OpState& state, const c10::FunctionSchema& schema);
+
 // vmap="loop": one call per example, one level down; each call gets its own
 // grad nodes there, so no node is attached at this level. `stack` holds the
 // op's arguments (BatchedTensors of `layer`); they are replaced by its

@@ -156,7 +156,8 @@ class TestGlobals(TestCase):
 
         plain = w.clone()
         with self.assertRaisesRegex(
-            RuntimeError, r"_weighted closes over 'WEIGHT', a tensor that a torch.func transform inside the enclosing vmap"
+            RuntimeError,
+            r"_weighted closes over 'WEIGHT', a tensor that a torch.func transform inside the enclosing vmap",
         ):
             vmap(grad(loss), (0, None))(x, w)  # was functorch's INTERNAL ASSERT (sanityCheckStack)
         self.assertEqual(grad(loss)(x[0], w), 2 * w)  # without vmap: the right value
@@ -291,7 +292,84 @@ def _set_later(w: torch.Tensor) -> torch.Tensor:
     return w.sum() * 0
 
 
+# Module-level tensors read by an op's function or its backward under torch.compile (issue 33, item 5).
+TABLE = torch.linspace(0.5, 2.0, 3, dtype=torch.float64)
+
+
+def _reads_table(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * TABLE
+
+
+def _backward_reads_table(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    return 2 * g * torch.cos(ctx.x) * TABLE
+
+
+class TestTensorConstantsUnderCompile(TestCase):
+    """NOTE [A fake run of the function reads its tensor constants], NOTE [A traced rule cannot read a tensor constant]."""
+
+    def setUp(self) -> None:
+        global TABLE
+        TABLE = torch.linspace(0.5, 2.0, 3, dtype=torch.float64)
+        torch._dynamo.reset()
+
+    def tearDown(self) -> None:
+        torch._dynamo.reset()
+
+    @parametrize("backend", ["aot_eager", "inductor"])
+    def test_a_function_reading_a_module_level_tensor_compiles_and_reads_it_live(self, backend: str) -> None:
+        global TABLE
+        op = torch_autobatch.custom_op(unique_op_name("tab_closures"), _reads_table, mutates_args=())
+        op.register_autograd(  # not the derivative (no TABLE): proves it is what runs
+            lambda ctx, g: 2 * g * torch.cos(ctx.x),
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+        )
+        x, xs = randn(3, seed=0), randn(2, 3, seed=1)
+        compiled, batched = torch.compile(op, backend=backend), torch.compile(vmap(op), backend=backend)
+        self.assertEqual(compiled(x), torch.sin(x) * TABLE)
+        self.assertEqual(batched(xs), torch.sin(xs) * TABLE)
+        TABLE.mul_(2)  # in place
+        self.assertEqual(compiled(x), torch.sin(x) * TABLE)
+        self.assertEqual(batched(xs), torch.sin(xs) * TABLE)
+        TABLE = torch.full((3,), 3.0, dtype=torch.float64)  # rebound
+        self.assertEqual(compiled(x), 3 * torch.sin(x))
+        self.assertEqual(batched(xs), 3 * torch.sin(xs))
+        leaf = x.clone().requires_grad_()
+        torch.compile(lambda x: op(x).sum(), backend=backend)(leaf).backward()
+        self.assertEqual(leaf.grad, 2 * torch.cos(x))
+
+    @parametrize("transform", ["backward", "grad"])
+    @parametrize("kind", ["autograd", "vjp_bwd", "vjp_fwd"])
+    def test_a_rule_reading_a_module_level_tensor_is_a_clear_error_under_compile(
+        self, kind: str, transform: str
+    ) -> None:
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_closures"), torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        if kind == "autograd":
+            op.register_autograd(
+                _backward_reads_table, setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
+            )
+            what, name = "backward", "_backward_reads_table"
+        elif kind == "vjp_bwd":
+            op.register_vjp(lambda x: (torch.sin(x), x), lambda x, g: 2 * g * torch.cos(x) * TABLE)
+            what, name = "backward", "<lambda>"
+        else:
+            op.register_vjp(lambda x: (torch.sin(x), torch.cos(x) * TABLE), lambda r, g: 2 * g * r)
+            what, name = "register_vjp fwd", "<lambda>"
+        x = randn(3, seed=0)
+        eager = grad(lambda x: op(x).sum())(x)  # eager: right, and the rule ran
+        self.assertEqual(eager, 2 * torch.cos(x) * TABLE)
+        pattern = rf"{op._qualname}: its {what} reads 'TABLE' \([^)]*{name}\), a real tensor that is not an argument"
+        with self.assertRaisesRegex(Exception, pattern):
+            if transform == "backward":
+                leaf = x.clone().requires_grad_()
+                torch.compile(lambda x: op(x).sum(), backend="aot_eager")(leaf).backward()
+            else:
+                torch.compile(grad(lambda x: op(x).sum()), backend="aot_eager")(x)
+
+
 instantiate_parametrized_tests(TestClosures)
+instantiate_parametrized_tests(TestTensorConstantsUnderCompile)
 instantiate_parametrized_tests(TestGlobals)
 instantiate_parametrized_tests(TestAttributeChains)
 

@@ -166,3 +166,53 @@ def refresh(op: KernelSide) -> None:
     """Hands the C++ check what the op's function, fwd and vmap rule close over now."""
     entries = [e for fn in (op._init_fn, op._ab.vjp_fwd, op._vmap_fn) for e in _closure_of(fn)]
     op._ab.registration.set_closure(tuple(entries))
+
+
+# NOTE [A traced rule cannot read a tensor constant]
+# torch.compile and torch.export trace the op's registered rules (backward,
+# register_vjp's fwd, jvp) into the graph with fake tensors. A rule that reads
+# a real tensor that is not an argument (a module-level table) fails there
+# with FakeTensorMode's "Please convert all Tensors to FakeTensors first":
+# its value would have to enter the graph as a constant, which a later
+# rebinding or in-place change of the tensor would not reach (Dynamo guards
+# the tensors it sees, and it sees the op, not its rules). The op's function
+# may (NOTE [A fake run of the function reads its tensor constants]): the op
+# stays one node that reads it when it runs. So the error names the op, the
+# rule, the tensor and the fix.
+_FAKE_REFUSAL = "Please convert all Tensors to FakeTensors first"
+
+
+def is_fake_refusal(error: BaseException) -> bool:
+    """Is ``error`` FakeTensorMode's refusal of a real tensor among fake ones?"""
+    return _FAKE_REFUSAL in str(error)
+
+
+def explain_fake_refusal(qualname: str, what: str, rules: tuple[Any, ...], error: BaseException) -> None:
+    """Raises the clear error for FakeTensorMode's refusal of a real tensor in a traced rule; returns otherwise."""
+    if not is_fake_refusal(error):
+        return
+    names = []
+    for rule in rules:
+        for entry in _closure_of(rule):
+            value = _entry_value(entry)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+                names.append(f"'{entry[4] if len(entry) > 3 else entry[1]}' ({entry[0]})")
+    read = ", ".join(dict.fromkeys(names)) or "a tensor that is not one of its arguments"
+    raise RuntimeError(
+        f"torch_autobatch: {qualname}: its {what} reads {read}, a real tensor that is not an argument of the op, "
+        f"and torch.compile / torch.export trace the {what} with fake tensors, where it could only become a "
+        f"constant of the graph (a later rebinding or in-place change of it would not be seen). Pass it to the op "
+        f"as an argument, and return None as its gradient (NOTE [A traced rule cannot read a tensor constant]); "
+        f"the op's function itself may read it."
+    ) from error
+
+
+def _entry_value(entry: tuple[Any, ...]) -> Any:
+    holder = entry[2]
+    if isinstance(holder, dict):
+        value = holder.get(entry[1])
+    elif type(holder).__name__ == "cell":
+        value = _cell_value(holder)
+    else:
+        value = holder
+    return entry[3](value) if len(entry) > 3 and value is not _MISSING else value

@@ -65,6 +65,7 @@ worker must have imported the op's definition, as for ``torch.ops``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -74,7 +75,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
@@ -339,6 +340,54 @@ def _names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _names(const)
     return names
+
+
+# NOTE [A fake run of the function reads its tensor constants]
+# A function may read tensors that are not its arguments: a module-level
+# lookup table, a constant matrix in a closure. Run as the op's fake kernel
+# (torch.compile's and torch.export's fake tensors), those are real tensors
+# among fake ones, which FakeTensorMode refuses ("Please convert all Tensors
+# to FakeTensors first"); the plain function compiles. A fake run computes
+# metadata only, so for it the mode converts them to fake tensors: nothing of
+# their values enters a graph, which keeps the op as one node whose kernel
+# reads them when it runs (the current tensor, after a rebinding or an
+# in-place change). The op's fake kernel, and its function run once on
+# batched fake tensors (Dynamo's propagation of vmap(op)), get this; never a
+# run a graph tracer records (Inductor's decomposition of the op, NOTE
+# [Inductor sees the function]): there the function fails on such a tensor,
+# so the op stays an extern call.
+@contextlib.contextmanager
+def constants_allowed(args: Any) -> Iterator[None]:
+    """FakeTensorMode takes real tensors as constants here, unless a graph tracer records what runs."""
+    mode = allow_constants(args)
+    try:
+        yield
+    finally:
+        disallow_constants(mode)
+
+
+def allow_constants(args: Any) -> Any:
+    """Lets the fake mode of ``args`` take real tensors; returns it (for :func:`disallow_constants`), or None."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
+        return None  # traced into a graph (Inductor's decomposition): never
+    mode = torch._guards.detect_fake_mode(args)
+    if mode is None or mode.allow_non_fake_inputs:
+        return None
+    mode.allow_non_fake_inputs = True
+    return mode
+
+
+def keep_companion_opaque(opdef: CustomOpDef) -> None:
+    """The op's vmapped companion stays an extern call for Inductor: it was recorded where its function could not be traced."""
+    comp = opdef._ab.vmapped_companion
+    decomposition = None if comp is None else comp._ab.inductor_decomposition
+    if decomposition is not None:
+        _unlist(comp._opoverload, decomposition)
+
+
+def disallow_constants(mode: Any) -> None:
+    if mode is not None:
+        mode.allow_non_fake_inputs = False
 
 
 def dissolves_in_trace(overload: torch._ops.OpOverload) -> bool:

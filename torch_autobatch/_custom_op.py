@@ -501,11 +501,11 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         if self._abstract_fn is not None:
             return self._abstract_fn(*args, **kwargs)
         try:
-            return self._init_fn(*args, **kwargs)
+            with _compile.constants_allowed(args):  # NOTE [A fake run of the function reads its tensor constants]
+                return self._init_fn(*args, **kwargs)
         except _PLAIN_ERRORS as e:
-            # torch's own control-flow exceptions (data-dependent output,
-            # guards on unbacked symbols) are subclasses: they go on unchanged,
-            # for torch to handle.
+            # torch's own control-flow exceptions (data-dependent output, guards on unbacked symbols) are
+            # subclasses: they go on unchanged, for torch to handle.
             if type(e) not in _PLAIN_ERRORS:
                 raise
             raise type(e)(

@@ -20,7 +20,7 @@ from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import utils as _library_utils
 
-from . import _compile, _forward_mode, _traced_vmap, _vjp, _vmap_presets
+from . import _closure, _compile, _forward_mode, _traced_vmap, _vjp, _vmap_presets
 from ._autograd import BackwardContext, num_passed, trailing_defaults
 from ._vmap_check import checked_rule
 
@@ -259,10 +259,14 @@ class KernelSide:
                 f"{self._name}.register_autograd(backward, setup_context=setup_context) "
                 f"to differentiate through it."
             )
-        if self._ab.vmap_preset is None:
-            result = backward(ctx, *grads)
-        else:  # NOTE [vmap presets: the calling convention]
-            result = _vmap_presets.call_backward(self, backward, ctx, grads)
+        try:
+            if self._ab.vmap_preset is None:
+                result = backward(ctx, *grads)
+            else:  # NOTE [vmap presets: the calling convention]
+                result = _vmap_presets.call_backward(self, backward, ctx, grads)
+        except AssertionError as e:  # NOTE [A traced rule cannot read a tensor constant]
+            _closure.explain_fake_refusal(self._qualname, "backward", (backward, self._ab.vjp_bwd), e)
+            raise
         if not isinstance(result, tuple):
             result = (result,)
         kwarg_only = self._ab.kwarg_only

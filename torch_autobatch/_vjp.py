@@ -57,7 +57,11 @@ def run_fwd(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
     # C++ (Registration.run_fwd) calls fwd and verifies its result's
     # structure and, for arguments whose output was checked before, its
     # output; anything else it hands to ``verify``.
-    return op._ab.registration.run_fwd(op._ab.vjp_fwd, args, kwargs, check)
+    try:
+        return op._ab.registration.run_fwd(op._ab.vjp_fwd, args, kwargs, check)
+    except AssertionError as e:  # NOTE [A traced rule cannot read a tensor constant]
+        _closure.explain_fake_refusal(op._qualname, "register_vjp fwd", (op._ab.vjp_fwd,), e)
+        raise
 
 
 def verify(
