@@ -186,6 +186,10 @@ def _through_later(x: torch.Tensor) -> torch.Tensor:
     return x * LATER
 
 
+def _through_comprehension(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([row * LATER for row in x.unbind(0)]).reshape(x.shape)
+
+
 class TestAttributeChains(TestCase):
     """Tensors reached through attributes of a global or a closed-over object, or through a global set after the op."""
 
@@ -255,6 +259,15 @@ class TestAttributeChains(TestCase):
         self.assertEqual(grad(lambda x: op(x).sum())(x), 2 * LATER)
         with self.assertRaisesRegex(RuntimeError, r"_through_later closes over 'LATER', a tensor that requires grad"):
             grad(lambda w: _set_later(w) + op(x).sum())(LATER)
+
+    def test_a_global_read_in_a_comprehension(self) -> None:
+        global LATER
+        LATER = randn(3, seed=1).requires_grad_()
+        op = self.make(_through_comprehension, "composite", lambda: torch.eye(3, dtype=torch.float64))
+        with self.assertRaisesRegex(
+            RuntimeError, r"_through_comprehension closes over 'LATER', a tensor that requires"
+        ):
+            op(randn(2, 3, seed=0)).sum().backward()
 
     def test_constants_and_stored_data_only(self) -> None:
         # A buffer and a frozen parameter read through a global module are constants; a property is never run by the check.

@@ -112,6 +112,9 @@ def _loads(code: types.CodeType) -> Iterator[tuple[str, str, tuple[str, ...]]]:
         if metadata:
             continue
         yield ("global" if ins.opname == "LOAD_GLOBAL" else "cell"), ins.argval, tuple(attrs)
+    for const in code.co_consts:  # a comprehension's or lambda's code reads the same globals
+        if isinstance(const, types.CodeType):
+            yield from (load for load in _loads(const) if load[0] == "global")
 
 
 def _closure_of(fn: Optional[Callable[..., Any]]) -> list[tuple[Any, ...]]:
