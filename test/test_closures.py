@@ -269,6 +269,26 @@ class TestAttributeChains(TestCase):
         ):
             op(randn(2, 3, seed=0)).sum().backward()
 
+    def test_a_lifted_function_forward(self) -> None:
+        # torch's own apply drops the gradient through `w`; lifted, it is the clear error
+        w = randn(3, seed=1)
+
+        class Scale(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                return x * w
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+                return 2 * g * w
+
+        lifted = torch_autobatch.from_function(Scale, name=unique_op_name("tab_closures"))
+        x = randn(2, 3, seed=0)
+        self.assertEqual(vmap(grad(lambda x: lifted(x).sum()))(x), 2 * w.expand(2, 3))  # a constant: works
+        w.requires_grad_()
+        with self.assertRaisesRegex(RuntimeError, r"Scale.forward closes over 'w', a tensor that requires grad"):
+            lifted(x).sum().backward()
+
     def test_constants_and_stored_data_only(self) -> None:
         # A buffer and a frozen parameter read through a global module are constants; a property is never run by the check.
         class Holder:

@@ -167,8 +167,14 @@ def _cell_value(cell: Any) -> Any:
 
 def refresh(op: KernelSide) -> None:
     """Hands the C++ check what the op's function, fwd and vmap rule close over now."""
-    entries = [e for fn in (op._init_fn, op._ab.vjp_fwd, op._vmap_fn) for e in _closure_of(fn)]
+    entries = [e for fn in (op._init_fn, op._ab.vjp_fwd, op._vmap_fn) for e in _closure_of(_user_code(fn))]
     op._ab.registration.set_closure(tuple(entries))
+
+
+def _user_code(fn: Any) -> Any:
+    """The user's function behind ``fn``: a lifted ``autograd.Function``'s ``forward`` for its kernel (_lift.py)."""
+    kernel = getattr(fn, "__self__", fn)  # the kernel's bound fwd
+    return kernel.forward if hasattr(kernel, "lifted_class") else fn
 
 
 # NOTE [A traced rule cannot read a tensor constant]

@@ -320,9 +320,9 @@ def _apply_signature(cls: FunctionClass) -> Optional[inspect.Signature]:
 class _Kernel:
     """One overload's function (the object itself) and register_vjp ``fwd``: ``forward`` as ``apply`` runs it.
 
-    An object, not closures: the kernels check an op's function's closure
-    cells on every call (NOTE [What the function closes over]); these would
-    hold no tensor, and an object and a bound method have none.
+    An object, not closures: the kernels check what an op's function closes
+    over on every call (NOTE [What the function closes over]); for a lifted
+    class that is what ``forward`` closes over (``_closure._user_code``).
     """
 
     def __init__(self, lifted: LiftedFunction, kinds: tuple[Any, ...], num_outputs: int, names: list[str]) -> None:
