@@ -82,7 +82,7 @@ def _checked_attrs(value: Any, attrs: tuple[str, ...]) -> tuple[str, ...]:
 _METADATA = frozenset(
     "shape dtype device ndim layout is_cuda is_sparse requires_grad size dim numel nelement stride "
     "element_size is_contiguous is_floating_point is_complex data_ptr storage_offset names detach data "
-    "item tolist".split()
+    "item tolist new_zeros new_ones new_empty new_full new_tensor get_device is_leaf".split()
 )
 
 
