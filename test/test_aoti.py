@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.utils import cpp_extension
 
 import torch_autobatch
 
@@ -93,8 +94,6 @@ _LOAD = textwrap.dedent(
 
 def _cpp_build_command(target: str) -> list[str]:
     """g++ building test/cpp/aoti_run.cpp against the installed torch's headers and libtorch (a few seconds)."""
-    from torch.utils import cpp_extension
-
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpp", "aoti_run.cpp")
     libs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -143,7 +142,9 @@ class TestAOTInductor(TestCase):
             for name, t in (("x", x), ("w", w)):
                 t.numpy().tofile(os.path.join(tmp, f"{name}.bin"))
                 inputs.append(os.path.join(tmp, f"{name}.bin") + ":" + ",".join(map(str, t.shape)))
-            subprocess.run([runner, pt2, output, *inputs], check=True, timeout=300, env={}, cwd=tmp)
+            # the package's model library links libtorch too: the loader finds it as a deployment would
+            env = {"LD_LIBRARY_PATH": os.pathsep.join(cpp_extension.library_paths())}
+            subprocess.run([runner, pt2, output, *inputs], check=True, timeout=300, env=env, cwd=tmp)
             out = torch.from_numpy(np.fromfile(output, dtype=np.float32)).reshape(4, 8)
         with torch.no_grad():
             torch.testing.assert_close(out, Fused(plain=True)(x, w))
