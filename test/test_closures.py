@@ -371,12 +371,8 @@ class TestTensorConstantsUnderCompile(TestCase):
         torch.compile(lambda x: op(x).sum(), backend=backend)(leaf).backward()
         self.assertEqual(leaf.grad, 2 * torch.cos(x))
 
-    @parametrize("transform", ["backward", "grad"])
-    @parametrize("kind", ["autograd", "vjp_bwd", "vjp_fwd"])
-    def test_a_rule_reading_a_module_level_tensor_is_a_clear_error_under_compile(
-        self, kind: str, transform: str
-    ) -> None:
-        global TABLE
+    def _rule_op(self, kind: str) -> Any:
+        """sin, with a 2x backward (and a 3x jvp) that read the module-level TABLE."""
         op = torch_autobatch.custom_op(
             unique_op_name("tab_closures"), torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor"
         )
@@ -384,34 +380,86 @@ class TestTensorConstantsUnderCompile(TestCase):
             op.register_autograd(
                 _backward_reads_table, setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0])
             )
-            what, name = "backward", "_backward_reads_table"
         elif kind == "vjp_bwd":
             op.register_vjp(lambda x: (torch.sin(x), x), lambda x, g: 2 * g * torch.cos(x) * TABLE)
-            what, name = "backward", "<lambda>"
         else:
             op.register_vjp(lambda x: (torch.sin(x), torch.cos(x) * TABLE), lambda r, g: 2 * g * r)
-            what, name = "register_vjp fwd", "<lambda>"
+        op.register_jvp(
+            lambda ctx, t: 3 * t * torch.cos(ctx.x) * TABLE,
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+        )
+        return op
+
+    @parametrize("transform", ["backward", "grad", "jvp"])
+    @parametrize("kind", ["autograd", "vjp_bwd", "vjp_fwd"])
+    def test_a_rule_reading_a_module_level_tensor_compiles_and_reads_it_live(self, kind: str, transform: str) -> None:
+        global TABLE
+        op, x = self._rule_op(kind), randn(3, seed=0)
+
+        def derivative(x: torch.Tensor) -> torch.Tensor:
+            if transform == "backward":
+                leaf = x.detach().requires_grad_()
+                op(leaf).sum().backward()
+                return leaf.grad
+            if transform == "grad":
+                return grad(lambda x: op(x).sum())(x)
+            return jvp(op, (x,), (torch.ones_like(x),))[1]
+
+        factor = 3 if transform == "jvp" else 2
+        compiled = torch.compile(derivative, backend="aot_eager")
+        self.assertEqual(compiled(x), factor * torch.cos(x) * TABLE)  # the rule ran, and read TABLE
+        TABLE.mul_(2)  # in place
+        self.assertEqual(compiled(x), factor * torch.cos(x) * TABLE)
+        TABLE = torch.full((3,), 3.0, dtype=torch.float64)  # rebound
+        self.assertEqual(compiled(x), 3 * factor * torch.cos(x))
+
+    def test_a_lifted_function_whose_backward_reads_a_module_level_tensor(self) -> None:
+        global TABLE
+
+        class TableSin(torch.autograd.Function):  # a kernel library's legacy shape
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                ctx.save_for_backward(x)
+                return torch.sin(x)
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+                (x,) = ctx.saved_tensors
+                return 2 * g * torch.cos(x) * TABLE
+
+        lifted = torch_autobatch.from_function(TableSin, name=unique_op_name("tab_closures"))
         x = randn(3, seed=0)
-        eager = grad(lambda x: op(x).sum())(x)  # eager: right, and the rule ran
-        self.assertEqual(eager, 2 * torch.cos(x) * TABLE)
-        pattern = rf"{op._qualname}: its {what} reads 'TABLE' \([^)]*{name}\), a real tensor that is not an argument"
-        if transform == "backward":
-            with self.assertRaisesRegex(Exception, pattern):
-                leaf = x.clone().requires_grad_()
-                torch.compile(lambda x: op(x).sum(), backend="aot_eager")(leaf).backward()
-            return
-        compiled = torch.compile(grad(lambda x: op(x).sum()), backend="aot_eager")
-        try:
-            got = compiled(x)
-        except Exception as e:  # torch 2.13 traces the rule: the clear error
-            self.assertRegex(str(e), pattern)
-            return
-        # torch >= 2.14 runs this grad without tracing the rule into the graph: the rule's values, read live
-        self.assertEqual(got, 2 * torch.cos(x) * TABLE)
-        TABLE.mul_(2)
+
+        def derivative(x: torch.Tensor) -> torch.Tensor:
+            leaf = x.detach().requires_grad_()
+            lifted(leaf).sum().backward()
+            return leaf.grad
+
+        self.assertEqual(derivative(x), 2 * torch.cos(x) * TABLE)  # eager: defines the overload
+        compiled = torch.compile(derivative, backend="aot_eager")
         self.assertEqual(compiled(x), 2 * torch.cos(x) * TABLE)
         TABLE = torch.full((3,), 3.0, dtype=torch.float64)
         self.assertEqual(compiled(x), 6 * torch.cos(x))
+
+    def test_fullgraph_names_the_op_and_the_tensors(self) -> None:
+        op = self._rule_op("autograd")
+        with self.assertRaisesRegex(Exception, rf"{op._qualname}'s rules read 'TABLE', tensors that are not arguments"):
+            torch.compile(lambda x: op(x).sum(), backend="aot_eager", fullgraph=True)(randn(3, seed=0))
+
+    def test_a_rule_reading_a_global_defined_after_the_op_is_a_clear_error(self) -> None:
+        global LATER_TABLE
+        op = torch_autobatch.custom_op(
+            unique_op_name("tab_closures"), torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        op.register_autograd(
+            lambda ctx, g: g * torch.cos(ctx.x) * LATER_TABLE,
+            setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+        )
+        LATER_TABLE = torch.ones(3, dtype=torch.float64)  # no tensor when the rule was registered
+        leaf = randn(3, seed=0).requires_grad_()
+        pattern = rf"{op._qualname}: its backward reads 'LATER_TABLE' \([^)]*<lambda>\), a real tensor that is not an"
+        with self.assertRaisesRegex(Exception, pattern):
+            torch.compile(lambda x: op(x).sum(), backend="aot_eager")(leaf).backward()
 
 
 instantiate_parametrized_tests(TestClosures)

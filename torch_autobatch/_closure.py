@@ -178,16 +178,55 @@ def _user_code(fn: Any) -> Any:
 
 
 # NOTE [A traced rule cannot read a tensor constant]
-# torch.compile and torch.export trace the op's registered rules (backward,
-# register_vjp's fwd, jvp) into the graph with fake tensors. A rule that reads
-# a real tensor that is not an argument (a module-level table) fails there
-# with FakeTensorMode's "Please convert all Tensors to FakeTensors first":
-# its value would have to enter the graph as a constant, which a later
-# rebinding or in-place change of the tensor would not reach (Dynamo guards
-# the tensors it sees, and it sees the op, not its rules). The op's function
-# may (NOTE [A fake run of the function reads its tensor constants]): the op
-# stays one node that reads it when it runs. So the error names the op, the
-# rule, the tensor and the fix.
+# torch.compile traces the op's registered rules (backward, setup_context,
+# register_vjp's fwd and bwd, jvp) into the compiled graph, with fake tensors.
+# A rule that reads a real tensor that is not an argument (a module-level
+# table, a closed-over matrix) would make it a constant of the graph, which a
+# later rebinding or in-place change of the tensor would not reach: Dynamo
+# guards and passes in the tensors it sees, and it sees the op, not its rules.
+# So where a rule reads names that hold a tensor when it is registered (global
+# names, closure cells, attribute chains: _closure_of), a call of the op under
+# torch.compile runs eagerly, between compiled graphs (a graph break at the
+# op, through torch.compiler.disable with a reason naming the op and the
+# tensors: fullgraph=True reports it): the rules then read the current
+# tensors, as in eager mode. What is still traced with one (a name that held
+# no tensor at registration; a call of torch.ops.ns.name itself, which no
+# Python of ours wraps) fails with FakeTensorMode's "Please convert all Tensors
+# to FakeTensors first": that error is replaced by one naming the op, the rule,
+# the tensor and the fix. The op's function may read such tensors (NOTE [A
+# fake run of the function reads its tensor constants], _compile.py).
+def refresh_eager_under_compile(op: KernelSide) -> None:
+    """Sets ``op._ab.eager_under_compile`` from what the op's rules read now."""
+    ab = op._ab
+    rules = [op._setup_context_fn, op._backward_fn, ab.jvp_fn, ab.jvp_setup_context_fn, ab.vjp_fwd, ab.vjp_bwd]
+    lifted = getattr(op._init_fn, "lifted_class", None)
+    if lifted is not None:  # a lifted class's rules are its own staticmethods
+        rules += [getattr(lifted, "backward", None), getattr(lifted, "jvp", None)]
+    names = []
+    for rule in rules:
+        for entry in _closure_of(_user_code(rule)):
+            value = _entry_value(entry)
+            if isinstance(value, (tuple, list)):
+                value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+            if isinstance(value, torch.Tensor):
+                names.append(f"'{entry[4] if len(entry) > 3 else entry[1]}'")
+    if not names:
+        ab.eager_under_compile = None
+        return
+    overload = op._opoverload
+
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        return overload(*args, **kwargs)
+
+    ab.eager_under_compile = torch.compiler.disable(
+        eager,
+        reason=f"torch_autobatch: {op._qualname}'s rules read {', '.join(dict.fromkeys(names))}, tensors that are not "
+        f"arguments of the op: it runs eagerly between compiled graphs, so that they read the current tensors "
+        f"(NOTE [A traced rule cannot read a tensor constant]). Pass them to the op as arguments to compile it "
+        f"into the graph.",
+    )
+
+
 _FAKE_REFUSAL = "Please convert all Tensors to FakeTensors first"
 
 

@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _deploy, _import_hook
+from . import _C, _closure, _deploy, _import_hook
 
 if TYPE_CHECKING:
     from ._custom_op import CustomOpDef
@@ -229,6 +229,7 @@ def _unlist(overload: torch._ops.OpOverload, decomposition: Callable[..., Any]) 
 
 def refresh_cache_key(opdef: CustomOpDef) -> None:
     """Puts the op's fingerprint in Inductor's cache keys, once Inductor is imported."""
+    _closure.refresh_eager_under_compile(opdef)  # (also at each registration)
     config = sys.modules.get("torch._inductor.config")
     if config is None or opdef not in _ops:
         return

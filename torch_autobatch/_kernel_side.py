@@ -77,6 +77,7 @@ class OpExtras:
         "trailing_defaults",
         "vmap_preset",
         "vmapped_companion",
+        "eager_under_compile",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -116,6 +117,9 @@ class OpExtras:
         self.vmap_preset: Optional[str] = None
         #: vmap(op)'s one node in a graph trace, once defined (NOTE [One node for vmap(op) in a trace]).
         self.vmapped_companion: Any = None
+        #: The op's call, run between compiled graphs where its rules read tensor
+        #: constants, or None (NOTE [A traced rule cannot read a tensor constant]).
+        self.eager_under_compile: Optional[Callable[..., Any]] = None
 
 
 class KernelSide:
@@ -128,6 +132,13 @@ class KernelSide:
     _ab: OpExtras
     _qualname: str
     _name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        eager = self._ab.eager_under_compile
+        if eager is not None and torch.compiler.is_compiling():  # NOTE [A traced rule cannot read a tensor constant]
+            return eager(*args, **kwargs)
+        return self._opoverload(*args, **kwargs)
+
     _init_fn: Callable[..., Any]
     _opoverload: torch._ops.OpOverload
     _vmap_fn: Optional[Callable[..., Any]]

@@ -201,7 +201,9 @@ class LiftedFunction:
         self._new_style = _is_new_style(cls)
         self._forward = cls.forward
         self._signature = _apply_signature(cls)
-        self._ops: dict[tuple[Any, ...], tuple[Any, bool]] = {}  # kinds -> (OpOverload, returns a 1-tuple)
+        self._ops: dict[
+            tuple[Any, ...], tuple[Any, bool, Any]
+        ] = {}  # kinds -> (OpOverload, returns a 1-tuple, OpExtras)
         self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
         self.__name__ = cls.__name__
@@ -225,7 +227,7 @@ class LiftedFunction:
         kinds = tuple(map(_kind, args))
         if _UNSUPPORTED in kinds:
             raise TypeError(f"{self._cls.__qualname__}.apply: no operator schema holds these arguments' kinds {kinds}.")
-        overload, _ = self._ops.get(kinds) or self._define(kinds, args)
+        overload, _, _ = self._ops.get(kinds) or self._define(kinds, args)
         return self._defs[overload._overloadname]
 
     @property
@@ -258,8 +260,11 @@ class LiftedFunction:
             if _UNSUPPORTED in kinds:
                 return self._unsupported(kinds, args)
             entry = self._define(kinds, args)
-        overload, returns_1_tuple = entry
-        out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
+        overload, returns_1_tuple, extras = entry
+        if extras.eager_under_compile is not None and torch.compiler.is_compiling():
+            out = extras.eager_under_compile(*args)  # NOTE [A traced rule cannot read a tensor constant]
+        else:
+            out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
 
     @property
@@ -288,14 +293,14 @@ class LiftedFunction:
             f"torch_autobatch.custom_op."
         )
 
-    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, bool]:
+    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, bool, Any]:
         probe = _probe(self, kinds, args)
         with self._lock:
             entry = self._ops.get(kinds)
             if entry is None:
                 op = _define_overload(self, kinds, probe)
                 self._defs[op._opoverload._overloadname] = op
-                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1)
+                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1, op._ab)
                 self._ops[kinds] = entry
         return entry
 
