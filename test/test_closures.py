@@ -441,6 +441,20 @@ class TestTensorConstantsUnderCompile(TestCase):
         TABLE = torch.full((3,), 3.0, dtype=torch.float64)
         self.assertEqual(compiled(x), 6 * torch.cos(x))
 
+    @parametrize("strict", [True, False])
+    def test_export_keeps_the_op_one_node(self, strict: bool) -> None:
+        # torch.export traces no rule: the op is one node, no graph break
+        op = self._rule_op("autograd")
+
+        class Model(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return op(x) * 2
+
+        x = randn(3, seed=0)
+        ep = torch.export.export(Model(), (x,), strict=strict)
+        self.assertIn(op._opoverload, [n.target for n in ep.graph.nodes])
+        self.assertEqual(ep.module()(x), 2 * torch.sin(x))
+
     def test_fullgraph_names_the_op_and_the_tensors(self) -> None:
         op = self._rule_op("autograd")
         with self.assertRaisesRegex(Exception, rf"{op._qualname}'s rules read 'TABLE', tensors that are not arguments"):

@@ -186,7 +186,8 @@ def _user_code(fn: Any) -> Any:
 # guards and passes in the tensors it sees, and it sees the op, not its rules.
 # So where a rule reads names that hold a tensor when it is registered (global
 # names, closure cells, attribute chains: _closure_of), a call of the op under
-# torch.compile runs eagerly, between compiled graphs (a graph break at the
+# torch.compile (not torch.export, which traces no rule and keeps the op as
+# one node) runs eagerly, between compiled graphs (a graph break at the
 # op, through torch.compiler.disable with a reason naming the op and the
 # tensors: fullgraph=True reports it): the rules then read the current
 # tensors, as in eager mode. What is still traced with one (a name that held

@@ -135,7 +135,8 @@ class KernelSide:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         eager = self._ab.eager_under_compile
-        if eager is not None and torch.compiler.is_compiling():  # NOTE [A traced rule cannot read a tensor constant]
+        # NOTE [A traced rule cannot read a tensor constant] (export traces no rule)
+        if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
             return eager(*args, **kwargs)
         return self._opoverload(*args, **kwargs)
 

@@ -261,8 +261,9 @@ class LiftedFunction:
                 return self._unsupported(kinds, args)
             entry = self._define(kinds, args)
         overload, returns_1_tuple, extras = entry
-        if extras.eager_under_compile is not None and torch.compiler.is_compiling():
-            out = extras.eager_under_compile(*args)  # NOTE [A traced rule cannot read a tensor constant]
+        eager = extras.eager_under_compile  # NOTE [A traced rule cannot read a tensor constant]
+        if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            out = eager(*args)
         else:
             out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
