@@ -132,19 +132,19 @@ class KernelSide:
     _ab: OpExtras
     _qualname: str
     _name: str
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        eager = self._ab.eager_under_compile
-        # NOTE [A traced rule cannot read a tensor constant] (export traces no rule)
-        if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            return eager(*args, **kwargs)
-        return self._opoverload(*args, **kwargs)
-
     _init_fn: Callable[..., Any]
     _opoverload: torch._ops.OpOverload
     _vmap_fn: Optional[Callable[..., Any]]
     _backward_fn: Optional[Callable[..., Any]]
     _setup_context_fn: Optional[Callable[..., Any]]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the op (as torch's ``CustomOpDef``); under torch.compile between graphs where its rules read constants."""
+        eager = self._ab.eager_under_compile
+        # NOTE [A traced rule cannot read a tensor constant] (export traces no rule)
+        if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            return eager(*args, **kwargs)
+        return self._opoverload(*args, **kwargs)
 
     def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Schema-ordered arguments as (positional, keyword-only)."""

@@ -201,9 +201,8 @@ class LiftedFunction:
         self._new_style = _is_new_style(cls)
         self._forward = cls.forward
         self._signature = _apply_signature(cls)
-        self._ops: dict[
-            tuple[Any, ...], tuple[Any, bool, Any]
-        ] = {}  # kinds -> (OpOverload, returns a 1-tuple, OpExtras)
+        # kinds -> (OpOverload, returns a 1-tuple, OpExtras)
+        self._ops: dict[tuple[Any, ...], tuple[Any, bool, Any]] = {}
         self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
         self.__name__ = cls.__name__
