@@ -193,24 +193,27 @@ class BatchedKernel final : public c10::OperatorKernel {
     // A mutating function is never run twice: its mutations before the
     // failing op would happen twice (it then fails as a plain function does).
     const bool may_retry = under_ad && !decompose && !op.schema().is_mutable();
+    auto restore_arguments = [&] {
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+      stack->insert(stack->end(), args.begin(), args.end());
+    };
     try {
       run_composite_once(op, physical, stack, decompose, may_retry);
     } catch (const MissingBatchingRule&) {
       state_->decompose_under_ad.store(true);
-      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
-      stack->insert(stack->end(), args.begin(), args.end());
+      restore_arguments();
       run_composite_once(op, physical, stack, /*decompose=*/true, /*may_retry=*/false);
     } catch (FakeConstantRefused& refused) {
       // NOTE [A fake run of the function reads its tensor constants]
       // (torch_autobatch/_compile.py): a metadata-only run lets the fake mode
       // take them, and runs again; in a run a graph tracer records (Inductor
       // decomposing vmap(op)), the op's companion is recorded instead, one
-      // node that reads them when it runs.
+      // node that reads them when it runs. (Run twice on fake tensors, a
+      // mutating function mutates no data.)
       py::gil_scoped_acquire gil;
       py::object compile = py::module_::import("torch_autobatch._compile");
       py::object mode = compile.attr("allow_constants")(py::make_tuple(physical));
-      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
-      stack->insert(stack->end(), args.begin(), args.end());
+      restore_arguments();
       if (mode.is_none()) {
         if (!has_companion(*state_, op.schema())) {
           throw std::move(refused.error);
