@@ -315,7 +315,160 @@ class TestOneNode(TestCase):
             make_fx(torch.vmap(op))(torch.ones(2, 3))
 
 
+# NOTE [torch.compile traces vmap(op) as eager runs it]: the forward graph is
+# the function's batched aten ops; the rules come from the joint trace. Each
+# op below has a 2x backward (and f a 3x jvp): a compiled program that lost
+# them differentiates to the true derivative.
+@torch_autobatch.custom_op(f"{NS}::ruled", mutates_args=())
+def ruled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * w * 1.5
+
+
+ruled.register_vmap(lambda info, in_dims, x, w: (torch.vmap(plain_f, in_dims)(x, w), 0))
+ruled.register_autograd(
+    lambda ctx, g: _backward(ctx, g),
+    setup_context=lambda ctx, inputs, output: _setup(ctx, inputs, {"scale": 1.5}, output),
+)
+
+
+@torch_autobatch.custom_op(f"{NS}::by_vjp", mutates_args=())
+def by_vjp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * w * 1.5
+
+
+by_vjp.register_vjp(
+    lambda x, w: (plain_f(x, w), (x, w)),
+    lambda r, g: (2 * g * torch.cos(r[0]) * r[1] * 1.5, 2 * g * torch.sin(r[0]) * 1.5),
+)
+
+COMPILED_OPS = {"composite": f, "rule": ruled, "register_vjp": by_vjp}
+
+
+def _grads(fn, x, w):
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    return torch.autograd.grad(fn(xg, wg).sum(), (xg, wg))
+
+
+# Each: (compiled program of op, its expected value with plain_f's derivatives scaled).
+COMPILED_TRANSFORMS = {
+    "backward": (
+        lambda op: lambda x, w: _grads(torch.compile(torch.vmap(op), backend="aot_eager", fullgraph=True), x, w),
+        lambda x, w: _grads(lambda x, w: vmap_loop(twice_grad(plain_f), 0, x, w), x, w),
+    ),
+    "grad_of_vmap": (
+        lambda op: torch.compile(
+            torch.func.grad(lambda x, w: torch.vmap(op)(x, w).sum(), argnums=(0, 1)),
+            backend="aot_eager",
+            fullgraph=True,
+        ),
+        lambda x, w: _grads(lambda x, w: vmap_loop(twice_grad(plain_f), 0, x, w), x, w),
+    ),
+    "vmap_of_grad": (
+        lambda op: torch.compile(
+            torch.vmap(torch.func.grad(lambda x, w: op(x, w).sum(), argnums=(0, 1))),
+            backend="aot_eager",
+            fullgraph=True,
+        ),
+        lambda x, w: _grads(lambda x, w: vmap_loop(twice_grad(plain_f), 0, x, w), x, w),
+    ),
+}
+
+
+class TestCompiledVmap(TestCase):
+    """torch.compile(vmap(op)) with a backend that keeps the op (aot_eager): NOTE [torch.compile traces vmap(op) as eager runs it]."""
+
+    def setUp(self):
+        super().setUp()
+        torch._dynamo.reset()
+
+    def _graphs(self, fn, b, grad):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        graphs = []
+
+        def keep(gm, _):
+            graphs.append(gm.graph)
+            return make_boxed_func(gm)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+        x, w = (t.requires_grad_(grad) for t in _inputs(b))
+        out = compiled(x, w)
+        if grad:
+            out.sum().backward()
+        return graphs
+
+    @parametrize("grad", [False, True])
+    def test_the_forward_graph_is_the_plain_function_s_at_any_batch_size(self, grad):
+        plain_forward = len(self._graphs(torch.vmap(plain_f), 10, grad)[0].nodes)
+        counts = set()
+        for b in SIZES:
+            graphs = self._graphs(vf, b, grad)
+            if not grad:  # with grad, the forward also returns what the registered backward reads
+                self.assertEqual(len(graphs[0].nodes), plain_forward)
+            counts.add(tuple(len(g.nodes) for g in graphs))
+            targets = {str(n.target) for g in graphs for n in g.nodes}
+            self.assertFalse({t for t in targets if NS in t}, targets)  # neither the op nor its companion
+        self.assertEqual(len(counts), 1, counts)
+
+    @parametrize("dynamic", [False, True])
+    @parametrize("transform", list(COMPILED_TRANSFORMS))
+    @parametrize("kind", list(COMPILED_OPS))
+    def test_the_compiled_program_keeps_the_registered_backward(self, kind, transform, dynamic):
+        compiled, expected = COMPILED_TRANSFORMS[transform]
+        program = compiled(COMPILED_OPS[kind])
+        for b in (5, 7) if dynamic else (5,):
+            x, w = _inputs(b)
+            self.assertEqual(tuple(program(x, w)), tuple(expected(x, w)))
+
+    @parametrize("order", ["jvp_of_vmap", "vmap_of_jvp"])
+    def test_the_compiled_program_keeps_the_registered_jvp(self, order):
+        def jvp_of_vmap(x, w, tx, tw):
+            return torch.func.jvp(torch.vmap(f), (x, w), (tx, tw))[1]
+
+        def vmap_of_jvp(x, w, tx, tw):
+            return torch.vmap(lambda *a: torch.func.jvp(f, a[:2], a[2:])[1])(x, w, tx, tw)
+
+        program = torch.compile(
+            jvp_of_vmap if order == "jvp_of_vmap" else vmap_of_jvp, backend="aot_eager", fullgraph=True
+        )
+        x, w = _inputs(5)
+        tangents = (torch.ones_like(x), torch.full_like(w, 0.5))
+        expected = torch.func.jvp(lambda x, w: vmap_loop(thrice_grad(plain_f), 0, x, w), (x, w), tangents)[1]
+        self.assertEqual(program(x, w, *tangents), expected)
+
+    @parametrize("randomness", ["same", "different"])
+    def test_a_random_op_s_compiled_backward_differentiates_the_draw_that_ran(self, randomness):
+        program = torch.compile(torch.vmap(dropout, randomness=randomness), backend="aot_eager")
+        x = torch.rand(16, 64, dtype=DTYPE) + 1  # no zero: an output is 0 exactly where masked
+        for _ in range(3):
+            xg = x.clone().requires_grad_()
+            out = program(xg)
+            (got,) = torch.autograd.grad(out.sum(), xg)
+            self.assertEqual(got, 2.0 * (out != 0).to(DTYPE))
+        kept = out != 0
+        self.assertEqual(all(torch.equal(kept[0], row) for row in kept[1:]), randomness == "same")
+
+    def test_a_loop_op_keeps_its_companion(self):
+        loop_op = torch_autobatch.custom_op(
+            f"{NS}::loop_sin", torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor", vmap="loop"
+        )
+        loop_op.register_autograd(
+            lambda ctx, g: 2 * g * ctx.x.cos(), setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0])
+        )
+        for b in (10, 100):
+            graphs = self._graphs(lambda x, w: torch.vmap(loop_op)(x) * w, b, True)
+            companion = _traced_vmap.companion(loop_op)._opoverload
+            self.assertEqual(sum(n.target is companion for n in graphs[0].nodes), 1)
+        x = randn(6, N, seed=3)
+        xg = x.clone().requires_grad_()
+        torch.compile(torch.vmap(loop_op), backend="aot_eager")(xg).sum().backward()
+        self.assertEqual(xg.grad, 2 * x.cos())
+
+
 instantiate_parametrized_tests(TestOneNode)
+instantiate_parametrized_tests(TestCompiledVmap)
 
 if __name__ == "__main__":
     run_tests()
