@@ -168,7 +168,8 @@ class TestOneNode(TestCase):
         self.assertEqual(len(counts), 1, counts)
         graph, _ = _trace(how, vf, *_inputs(10))
         companion = _traced_vmap.companion(f)._opoverload
-        self.assertEqual(sum(n.target is companion for n in graph.nodes), 1)
+        # AOTAutograd's forward graph is the function's batched aten ops (NOTE [AOTAutograd traces vmap(op) as eager runs it])
+        self.assertEqual(sum(n.target is companion for n in graph.nodes), 0 if how == "aot_function" else 1)
         self.assertEqual(sum(n.target is f._opoverload for n in graph.nodes), 0)
 
     @parametrize("how", TRACES)
@@ -315,7 +316,7 @@ class TestOneNode(TestCase):
             make_fx(torch.vmap(op))(torch.ones(2, 3))
 
 
-# NOTE [torch.compile traces vmap(op) as eager runs it]: the forward graph is
+# NOTE [AOTAutograd traces vmap(op) as eager runs it]: the forward graph is
 # the function's batched aten ops; the rules come from the joint trace. Each
 # op below has a 2x backward (and f a 3x jvp): a compiled program that lost
 # them differentiates to the true derivative.
@@ -375,7 +376,7 @@ COMPILED_TRANSFORMS = {
 
 
 class TestCompiledVmap(TestCase):
-    """torch.compile(vmap(op)) with a backend that keeps the op (aot_eager): NOTE [torch.compile traces vmap(op) as eager runs it]."""
+    """torch.compile(vmap(op)) with a backend that keeps the op (aot_eager): NOTE [AOTAutograd traces vmap(op) as eager runs it]."""
 
     def setUp(self):
         super().setUp()
@@ -467,8 +468,95 @@ class TestCompiledVmap(TestCase):
         self.assertEqual(xg.grad, 2 * x.cos())
 
 
+@torch_autobatch.custom_op(f"{NS}::loop_dropout", mutates_args=(), vmap="loop")
+def loop_dropout(x: torch.Tensor) -> torch.Tensor:
+    return x * (torch.rand_like(x) > 0.5)
+
+
+loop_dropout.register_autograd(
+    lambda ctx, g: 2 * g * ctx.kept, setup_context=lambda ctx, inputs, output: setattr(ctx, "kept", output != 0)
+)
+
+
+def _vjp_traced(program):
+    def run(x):
+        out, pullback = torch.func.vjp(program, x)
+        return out, pullback(torch.ones_like(out))[0]
+
+    gm = make_fx(run)(torch.rand(8, 16, dtype=DTYPE) + 1)
+    return lambda x: gm(x)
+
+
+def _aot(program, compiler):
+    def run(x):
+        xg = x.clone().requires_grad_()
+        out = compiler(program)(xg)
+        return out.detach(), torch.autograd.grad(out.sum(), xg)[0]
+
+    return run
+
+
+def _aot_function(program):
+    from functorch.compile import aot_function, nop
+
+    return _aot(program, lambda p: aot_function(p, nop))
+
+
+# Each: a way to get (output, gradient of its sum) out of a traced or compiled vmap(op).
+DRAW_PATHS = {
+    "make_fx_of_vjp": _vjp_traced,
+    "aot_function": _aot_function,
+    "compile_aot_eager": lambda p: _aot(p, lambda p: torch.compile(p, backend="aot_eager")),
+    "compile_inductor": lambda p: _aot(p, lambda p: torch.compile(p, backend="inductor")),
+}
+# Where the backward traced into the graph would recompute (and redraw): a clear error.
+DRAW_ERRORS = {
+    ("composite", "make_fx_of_vjp"),
+    ("loop", "make_fx_of_vjp"),
+    ("loop", "aot_function"),
+    ("loop", "compile_aot_eager"),
+}
+
+
+class TestTracedDraws(TestCase):
+    """NOTE [A traced recompute cannot replay draws]: a random op's traced gradient is the forward's draw's, or an error."""
+
+    @parametrize("randomness", ["same", "different"])
+    @parametrize("path", list(DRAW_PATHS))
+    @parametrize("kind", ["composite", "loop"])
+    def test_the_gradient_is_the_forward_draw_s_or_an_error(self, kind, path, randomness):
+        torch._dynamo.reset()
+        op = dropout if kind == "composite" else loop_dropout
+        x = torch.rand(8, 16, dtype=DTYPE) + 1  # no zero: an output is 0 exactly where masked
+        if (kind, path) in DRAW_ERRORS:
+            with self.assertRaisesRegex(
+                RuntimeError, f"{op._qualname} draws random numbers .* under vmap, and its backward"
+            ):
+                DRAW_PATHS[path](torch.vmap(op, randomness=randomness))(x)
+            return
+        run = DRAW_PATHS[path](torch.vmap(op, randomness=randomness))
+        for _ in range(2):
+            out, grad = run(x)
+            self.assertEqual(grad, 2.0 * (out != 0).to(DTYPE))
+
+    def test_a_traced_jvp_that_would_redraw_is_an_error(self):
+        program = torch.vmap(dropout, randomness="different")
+        with self.assertRaisesRegex(RuntimeError, "draws random numbers .* under vmap, and its jvp"):
+            make_fx(lambda x, t: torch.func.jvp(program, (x,), (t,)))(torch.rand(8, 16), torch.ones(8, 16))
+
+    def test_a_deterministic_op_s_traced_backward_still_recomputes(self):
+        run = _vjp_traced(torch.vmap(lambda x: f(x, x)))
+        x = torch.rand(8, 16, dtype=DTYPE) + 1
+        out, grad = run(x)
+        expected = torch.func.vjp(lambda x: vmap_loop(twice_grad(lambda x: plain_f(x, x)), 0, x), x)[1](
+            torch.ones_like(out)
+        )[0]
+        self.assertEqual(grad, expected)
+
+
 instantiate_parametrized_tests(TestOneNode)
 instantiate_parametrized_tests(TestCompiledVmap)
+instantiate_parametrized_tests(TestTracedDraws)
 
 if __name__ == "__main__":
     run_tests()

@@ -94,7 +94,7 @@ __all__ = [
     "fingerprint",
     "refresh_cache_key",
     "register",
-    "traced_by_compile",
+    "traced_by_aot_autograd",
     "unlist_for_inductor",
     "unlist_for_torchscript",
 ]
@@ -405,27 +405,29 @@ def dissolves_in_trace(overload: torch._ops.OpOverload) -> bool:
     return overload in table or _MARKER in table
 
 
-# NOTE [torch.compile traces vmap(op) as eager runs it]
-# Under torch.compile, whatever the backend, AOTAutograd traces a program
-# through autograd: the joint graph holds the op's registered backward (and
-# jvp) as our Autograd and batched kernels attach them, and the compiled
-# graphs are never differentiated again (an inference graph never at all).
-# So vmap(op) needs no one-node companion there (NOTE [One node for vmap(op)
-# in a trace]): the op's batched kernel runs as in eager, its function once
-# on the BatchedTensors (or its vmap rule), and the forward graph holds the
-# function's batched aten ops, a constant number at any batch size, as the
-# plain function's does; its backward is the registered one, reading the
-# forward's residuals. A companion would cost its dispatch, a vmap level and
-# the op's batched kernel in Python on every run of the graph, and a
-# recompute of the forward in the backward. The tracer is recognised as
-# AOTAutograd's by its functionalization mode, under a compile id and not
-# exporting: torch.export and make_fx graphs may be differentiated later,
-# and keep the companion. A vmap="loop" op keeps it too (its loop would put
-# B calls in the graph), as does a function that reads a tensor constant
-# (NOTE [A fake run of the function reads its tensor constants]).
-def traced_by_compile() -> bool:
-    """Is the active graph tracer torch.compile's AOTAutograd (NOTE [torch.compile traces vmap(op) as eager runs it])?"""
-    if torch._guards.CompileContext.current_compile_id() is None or torch.compiler.is_exporting():
+# NOTE [AOTAutograd traces vmap(op) as eager runs it]
+# AOTAutograd (torch.compile with any backend, aot_function / aot_module)
+# traces a program through autograd: the joint graph holds the op's
+# registered backward (and jvp) as our Autograd and batched kernels attach
+# them, and its graphs are never differentiated again (an inference graph
+# never at all). So vmap(op) needs no one-node companion there (NOTE [One
+# node for vmap(op) in a trace]): the op's batched kernel runs as in eager,
+# its function once on the BatchedTensors (or its vmap rule), and the
+# forward graph holds the function's batched aten ops, a constant number at
+# any batch size, as the plain function's does; its backward is the
+# registered one, reading the forward's residuals. A companion would cost
+# its dispatch, a vmap level and the op's batched kernel in Python on every
+# run of the graph, and a recompute of the forward in the backward, whose
+# random draws a traced graph cannot replay (NOTE [A traced recompute cannot
+# replay draws], _traced_vmap.py). AOTAutograd's tracer is recognised by its
+# functionalization mode (FunctionalTensorMode), while not exporting:
+# torch.export and make_fx graphs may be differentiated later, and keep the
+# companion. A vmap="loop" op keeps it too (its loop would put B calls in
+# the graph), as does a function that reads a tensor constant (NOTE [A fake
+# run of the function reads its tensor constants]).
+def traced_by_aot_autograd() -> bool:
+    """Is the active graph tracer AOTAutograd's (NOTE [AOTAutograd traces vmap(op) as eager runs it])?"""
+    if torch.compiler.is_exporting():
         return False
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 

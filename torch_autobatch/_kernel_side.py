@@ -174,8 +174,8 @@ class KernelSide:
         # Inside a vmapped companion's own function or rules, the op is what they are made of.
         if preset or _traced_vmap.inside_rules() or _compile.dissolves_in_trace(self._opoverload):
             return True
-        # NOTE [torch.compile traces vmap(op) as eager runs it]
-        return not self._ab.vmap_loop and _compile.traced_by_compile()
+        # NOTE [AOTAutograd traces vmap(op) as eager runs it]
+        return not self._ab.vmap_loop and _compile.traced_by_aot_autograd()
 
     def _run_vmapped_companion(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """vmap of the op under a graph tracer as one node (NOTE [One node for vmap(op) in a trace]); one value per return."""

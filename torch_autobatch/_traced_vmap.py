@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._C import _functorch as _ft
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from ._kernel_side import KernelSide
@@ -255,6 +256,82 @@ def _same_draws(state: Any) -> Iterator[None]:
         yield
 
 
+# NOTE [A traced recompute cannot replay draws]
+# The companion's backward and jvp recompute the op's forward with the
+# forward's random state put back (NOTE [A companion draws what its forward
+# drew]): right where they run eagerly, as when a traced vmap(op) is
+# differentiated by autograd. Traced themselves (make_fx of vjp(vmap(op)),
+# AOTAutograd's joint graph for a vmap="loop" op), the recompute's draws are
+# graph ops that draw anew each time the graph runs, while the state put back
+# is the one at trace time: the backward would silently differentiate other
+# draws than the forward's. So while a graph tracer records, a recompute is
+# watched, and one that draws is an error naming the op and what works
+# instead. A draw is an aten op tagged nondeterministic_seeded, seen where
+# the op's function runs on BatchedTensors, or, where the op itself reaches
+# the tracer (a loop records it once per example), in one probe run of its
+# function on those (fake) arguments, off the graph; a function that cannot
+# run on them (it leaves torch) draws nothing torch replays.
+class TracedDrawError(RuntimeError):
+    """A traced recompute drew random numbers (its own class: the batched kernel passes it on unchanged)."""
+
+
+class _Draws(TorchDispatchMode):
+    """Notes the first random draw (an op tagged nondeterministic_seeded) below it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Any = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.seen is None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = func
+        return func(*args, **(kwargs or {}))
+
+
+class _DrawWatch(TorchDispatchMode):
+    """Raises at the first random draw of a traced recompute (NOTE [A traced recompute cannot replay draws])."""
+
+    def __init__(self, op: KernelSide, rule: str) -> None:
+        super().__init__()
+        self.op, self.rule = op, rule
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        drawn = func if torch.Tag.nondeterministic_seeded in func.tags else None
+        if drawn is None and func is self.op._opoverload:
+            drawn = _probe(self.op, args, kwargs)
+        if drawn is not None:
+            raise TracedDrawError(
+                f"torch_autobatch: {self.op._qualname} draws random numbers ({drawn}) under vmap, and its {self.rule} "
+                "is being traced into a graph (make_fx or torch.export of a transform that differentiates vmap(op), "
+                f'or AOTAutograd (torch.compile, aot_function) for a vmap="loop" op). That traced {self.rule} '
+                "recomputes the forward, whose draws would be new ones each time the graph runs: the derivative "
+                "would belong to other draws than the forward's. Trace vmap(op) alone and differentiate the traced "
+                'program (its backward replays the forward\'s draws), compile with backend="inductor", or draw the '
+                "random numbers outside the op and pass them to it as an argument."
+            )
+        return func(*args, **kwargs)
+
+
+def _probe(op: KernelSide, args: Any, kwargs: Any) -> Any:
+    """The first draw of the op's function on these arguments, run off the graph; None if none (or it cannot run)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    draws = _Draws()
+    try:
+        with disable_proxy_modes_tracing(), torch.no_grad(), draws:
+            op._init_fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 (it leaves torch: no draw torch could replay)
+        pass
+    return draws.seen
+
+
+def _watch_draws(op: KernelSide, ctx: Any, rule: str) -> Any:
+    """A :class:`_DrawWatch` where a traced recompute could draw, else a no-op context."""
+    tracing = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    return _DrawWatch(op, rule) if tracing and ctx.random_state is not None else contextlib.nullcontext()
+
+
 def _save(ctx: Any, inputs: tuple[Any, ...]) -> None:
     ctx.random_state, _state.rng = getattr(_state, "rng", None), None
     leaves, spec = pytree.tree_flatten(list(inputs))
@@ -368,7 +445,7 @@ def _backward(op: KernelSide, n: int, ctx: Any, grads: tuple[Any, ...]) -> tuple
             ]
             return functools.reduce(torch.add, terms)
 
-        with _running_rules(), _same_draws(ctx.random_state):
+        with _running_rules(), _same_draws(ctx.random_state), _watch_draws(op, ctx, "backward"):
             got = torch.func.grad(loss, argnums=tuple(range(len(where))))(*[leaves[i] for i in where])
         for i, g in zip(where, got):
             result[i] = g
@@ -385,7 +462,7 @@ def _jvp(op: KernelSide, n: int, ctx: Any, tangents: tuple[Any, ...]) -> Any:
             flat += (
                 list(t) if isinstance(t, (list, tuple)) else [None] * len(a) if isinstance(a, (list, tuple)) else [t]
             )
-    with _running_rules(), _same_draws(ctx.random_state):
+    with _running_rules(), _same_draws(ctx.random_state), _watch_draws(op, ctx, "jvp"):
         tangent_in = tuple(torch.zeros_like(leaves[i]) if flat[i] is None else flat[i] for i in where)
         out = torch.func.jvp(fn, tuple(leaves[i] for i in where), tangent_in)
     return out[1]
