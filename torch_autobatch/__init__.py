@@ -12,7 +12,9 @@ Public API:
 - :func:`current_trace` — the trace recording this thread's ops, or None;
 - :class:`UntestedTorchWarning` — warned at import on an untested torch
   (with ``TORCH_AUTOBATCH_ALLOW_UNTESTED_TORCH=1``; otherwise an ImportError);
-- :class:`Trace` — what :func:`trace` returns; :class:`TraceGraphs` — what ``Trace.to_fx()`` returns.
+- :class:`Trace` — what :func:`trace` returns; :class:`TraceGraphs` — what ``Trace.to_fx()`` returns;
+- :class:`TracedDrawError` — a ``RuntimeError``: a backward traced into a graph would redraw
+  a random op's numbers (NOTE [A traced recompute cannot replay draws]).
 """
 
 import torch  # noqa: F401  (loads libtorch before our extension)
@@ -43,6 +45,7 @@ from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
 from ._lift import LiftedFunction, from_function
 from ._trace_fx import TraceGraphs
+from ._traced_vmap import TracedDrawError
 from ._tracer import Trace, current_trace, trace
 from ._upgrade import autobatch
 from ._version import __version__ as __version__
@@ -54,6 +57,7 @@ __all__ = [
     "CustomOpDef",
     "Trace",
     "TraceGraphs",
+    "TracedDrawError",
     "current_trace",
     "custom_op",
     "from_function",
