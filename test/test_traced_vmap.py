@@ -451,6 +451,28 @@ class TestCompiledVmap(TestCase):
         kept = out != 0
         self.assertEqual(all(torch.equal(kept[0], row) for row in kept[1:]), randomness == "same")
 
+    def test_a_mutating_op_compiles_as_eager_runs_it(self):
+        # No companion for a mutating op; AOTAutograd runs its function once on the
+        # batch (not once per example), the buffer updated and the 2x backward kept.
+        @torch_autobatch.custom_op(f"{NS}::track", mutates_args={"stats"})
+        def track(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+            stats.add_(x)
+            return x.sin()
+
+        track.register_autograd(
+            lambda ctx, g: (2 * g * ctx.x.cos(), None), setup_context=lambda ctx, i, o: setattr(ctx, "x", i[0])
+        )
+        counts = set()
+        for b in (10, 100):
+            graphs = self._graphs(lambda x, w: torch.vmap(track)(x, w.detach().clone()), b, True)
+            counts.add(tuple(len(g.nodes) for g in graphs))
+        self.assertEqual(len(counts), 1, counts)
+        x = randn(6, N, seed=4)
+        xg, stats = x.clone().requires_grad_(), torch.zeros(6, N, dtype=DTYPE)
+        out = torch.compile(torch.vmap(track), backend="aot_eager")(xg, stats)
+        out.sum().backward()
+        self.assertEqual((out, stats, xg.grad), (x.sin(), x, 2 * x.cos()))
+
     def test_a_loop_op_keeps_its_companion(self):
         loop_op = torch_autobatch.custom_op(
             f"{NS}::loop_sin", torch.sin, mutates_args=(), schema="(Tensor x) -> Tensor", vmap="loop"
