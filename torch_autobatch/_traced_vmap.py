@@ -272,7 +272,27 @@ def _same_draws(state: Any) -> Iterator[None]:
 # function on those (fake) arguments, off the graph; a function that cannot
 # run on them (it leaves torch) draws nothing torch replays.
 class TracedDrawError(RuntimeError):
-    """A traced recompute drew random numbers (its own class: the batched kernel passes it on unchanged)."""
+    """A backward traced into a graph would recompute a random op's draws (NOTE [A traced recompute cannot replay draws]).
+
+    Raised while tracing, naming the op; its own class, so the batched kernel
+    passes it on unchanged. Trace ``vmap(op)`` alone and differentiate the
+    traced program instead, compile with Inductor, or pass the random
+    numbers to the op as an argument.
+
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> @torch_autobatch.custom_op("doc_draws::dropout", mutates_args=())
+    ... def dropout(x: torch.Tensor) -> torch.Tensor:
+    ...     return x * (torch.rand_like(x) > 0.5)
+    >>> def backward(ctx, g):
+    ...     return g * ctx.kept
+    >>> dropout.register_autograd(backward, setup_context=lambda ctx, inputs, out: setattr(ctx, "kept", out != 0))
+    >>> program = torch.vmap(dropout, randomness="different")
+    >>> try:
+    ...     make_fx(lambda x: torch.func.vjp(program, x)[1](torch.ones_like(x)))(torch.ones(4, 3))
+    ... except torch_autobatch.TracedDrawError as e:
+    ...     print(str(e)[:72])
+    torch_autobatch: doc_draws::dropout draws random numbers (aten.rand_like
+    """
 
 
 class _Draws(TorchDispatchMode):
