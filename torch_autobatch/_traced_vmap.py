@@ -285,7 +285,7 @@ class TracedDrawError(RuntimeError):
     ...     return x * (torch.rand_like(x) > 0.5)
     >>> def backward(ctx, g):
     ...     return g * ctx.kept
-    >>> dropout.register_autograd(backward, setup_context=lambda ctx, inputs, out: setattr(ctx, "kept", out != 0))
+    >>> _ = dropout.register_autograd(backward, setup_context=lambda ctx, inputs, out: setattr(ctx, "kept", out != 0))
     >>> program = torch.vmap(dropout, randomness="different")
     >>> try:
     ...     make_fx(lambda x: torch.func.vjp(program, x)[1](torch.ones_like(x)))(torch.ones(4, 3))
