@@ -51,6 +51,11 @@ PYBIND11_MODULE(_C, m) {
           "set_has_vjp", [](tab::Registration& r, bool has) { r.state->has_vjp.store(has); },
           "Whether the op has a registered vjp (register_vjp).")
       .def(
+          "set_cast_grad_dtypes",
+          [](tab::Registration& r, bool cast) { r.state->cast_grad_dtypes.store(cast); },
+          "Whether a gradient of another dtype than its input's is cast to it (a lifted "
+          "autograd.Function, as autograd casts a Function's) rather than an error.")
+      .def(
           "set_closure",
           [](tab::Registration& r, const py::tuple& closure) {
             r.state->closure = tab::PyRef(closure);

@@ -411,7 +411,9 @@ at::Tensor CustomOpNode::check_input_grad(py::handle grad, size_t edge, size_t a
     g = at::sum_to(std::move(g), meta.sym_sizes);
   }
   const auto dtype = c10::typeMetaToScalarType(meta.options.dtype());
-  if (g.scalar_type() != dtype) {
+  if (g.scalar_type() != dtype && state_->cast_grad_dtypes.load(std::memory_order_relaxed)) {
+    g = g.to(dtype);
+  } else if (g.scalar_type() != dtype) {
     std::ostringstream msg;
     msg << "returned a gradient of dtype " << g.scalar_type() << " for input '" << arg_name
         << "', which has dtype " << dtype << ". Cast it with .to(input.dtype).";

@@ -65,6 +65,10 @@ struct OpState {
   // closes over], closure.cpp). Set and read with the GIL.
   PyRef closure;
   std::atomic<bool> has_closure{false};
+  // A lifted autograd.Function: a gradient of another dtype than its input's
+  // is cast to the input's, as autograd casts a Function's (an AMP forward
+  // that cast its inputs); any other op's is an error (grad_node.cpp).
+  std::atomic<bool> cast_grad_dtypes{false};
   // The definition our kernels were registered for still exists; cleared by
   // the dispatcher listener (registration.cpp).
   std::atomic<bool> defined{true};

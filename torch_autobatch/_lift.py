@@ -337,6 +337,7 @@ class _Kernel:
         self.kinds = kinds
         self.restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
         self.tensor_args = tuple(k == "Tensor" for k in kinds)  # a legacy forward's ctx.needs_input_grad
+        self.tensor_positions = tuple(i for i, k in enumerate(kinds) if k == "Tensor")
         self.single = num_outputs == 1
         # what the op shows of its function (inspect.signature, help(), error messages)
         self.__signature__ = inspect.Signature(
@@ -351,21 +352,21 @@ class _Kernel:
         real = _restore(self.kinds, args) if self.restore else args
         ctx = _RecordingCtx(self.tensor_args)
         out = self.forward(ctx, *real)
-        outs = _fresh(out if isinstance(out, tuple) else (out,), real)
+        outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
         if ctx.dirty_tensors:
             raise _MarkDirty(_mark_dirty_message(self.cls))
         return real, outs, ctx
 
     def fwd(self, *args: Any) -> tuple[Any, Residuals]:
         real, outs, ctx = self.run(args)
-        return (outs[0] if self.single else outs), _residuals(ctx, outs, real)
+        return (outs[0] if self.single else outs), _residuals(ctx, outs)
 
     def __call__(self, *args: Any) -> Any:
         """The op's function."""
         if self.new_style:
             real = _restore(self.kinds, args) if self.restore else args
             out = self.forward(*real)
-            outs = _fresh(out if isinstance(out, tuple) else (out,), real)
+            outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
         else:
             _, outs, _ = self.run(args)  # nothing differentiated: no residuals
         return outs[0] if self.single else outs
@@ -404,21 +405,29 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
             op.register_jvp(_legacy_jvp(cls.jvp), setup_context=_legacy_jvp_setup_context(fwd))
     if _defined_by_user(cls, "vmap"):
         op.register_vmap(cls.vmap)
+    op._ab.registration.set_cast_grad_dtypes(True)  # as autograd casts a Function's gradients
     return op
 
 
-def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """An operator's outputs are new tensors: a forward that returns an input (or a view of one) returns a copy."""
+def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...], tensors: tuple[int, ...]) -> tuple[Any, ...]:
+    """An operator's outputs are new tensors: a forward that returns an input (or a view of one) returns a copy.
+
+    ``tensors``: the positions of the Tensor arguments (a list of tensors
+    cannot be returned as an output).
+    """
     # (below autograd a view has no _base: compare storages)
-    is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
     fresh = None
     for i, o in enumerate(outs):
-        for a in args:
-            if isinstance(a, _Tensor) and (o is a or is_alias_of(o, a)):
+        for k in tensors:
+            a = args[k]
+            if o is a or _is_alias_of(o, a):
                 fresh = fresh or list(outs)
                 fresh[i] = o.clone()
                 break
     return outs if fresh is None else tuple(fresh)
+
+
+_is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------- public API

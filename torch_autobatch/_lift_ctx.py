@@ -50,13 +50,14 @@ class _RecordingCtx(FunctionCtx):
 # takes its C++ fast path, any other pytree torch's Python pytree (which cost
 # more than a small forward). So what a legacy forward left on its ctx is
 # encoded as one flat tuple: a header of counts and flags, the saved tensors,
-# those saved for forward, the inputs' dtypes, the attribute names, their
-# values. An attribute holding anything else (a torch.Size, a list, an
-# object) goes in a dict after it, and the residuals are (flat, dict).
+# those saved for forward, the attribute names, their values. An attribute
+# holding anything else (a torch.Size, a list, an object) goes in a dict
+# after it, and the residuals are (flat, dict). A forward that only saved
+# tensors (the common case) is read back without building anything but its
+# ctx: both ends test for it first. (A gradient's dtype is not a residual:
+# the node casts it to its input's, set_cast_grad_dtypes.)
 Residuals = Any
-_HEADER = (
-    6  # n_saved, n_saved_for_forward (-1: None), non-differentiable output mask, materialize, n_inputs, n_attributes
-)
+_HEADER = 5  # n_saved, n_saved_for_forward (-1: None), non-differentiable output mask, materialize, n_attributes
 _ATOMS = frozenset((type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout))
 
 
@@ -64,9 +65,6 @@ class Unpacked(NamedTuple):
     saved: tuple[Any, ...]
     saved_for_forward: Optional[tuple[Any, ...]]
     attributes: dict[str, Any]
-    non_differentiable: tuple[int, ...]  # output indices
-    materialize_grads: bool
-    input_dtypes: tuple[Optional[torch.dtype], ...]  # a gradient is cast to its input's dtype, as autograd does
 
 
 class _ReplayCtx:
@@ -85,12 +83,16 @@ class _ReplayCtx:
         pass
 
 
-def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...]) -> Residuals:
+def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...]) -> Residuals:
     """``forward``'s ctx as residuals (NOTE [A lifted Function's residuals are flat])."""
+    d = ctx.__dict__
+    saved = d.get("to_save") or ()
+    if len(d) == 1 + ("to_save" in d):  # needs_input_grad, and the saved tensors: nothing else recorded
+        return (len(saved), -1, 0, True, 0, *saved)
     names: list[str] = []
     values: list[Any] = []
     other: dict[str, Any] = {}
-    for k, v in vars(ctx).items():
+    for k, v in d.items():
         if k in _CTX_INTERNALS:
             continue
         if type(v) in _ATOMS or isinstance(v, _Tensor):
@@ -98,8 +100,6 @@ def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...])
             values.append(v)
         else:
             other[k] = v
-    dtypes = [a.dtype if isinstance(a, _Tensor) else None for a in args]
-    saved = tuple(ctx.to_save or ())
     sff = ctx.saved_for_forward
     nondiff = ctx.non_differentiable or ()
     mask = sum(1 << i for i, o in enumerate(outs) if any(o is t for t in nondiff)) if nondiff else 0
@@ -108,32 +108,34 @@ def _residuals(ctx: _RecordingCtx, outs: tuple[Any, ...], args: tuple[Any, ...])
         -1 if sff is None else len(sff),
         mask,
         ctx.materialize_grads,
-        len(args),
         len(names),
         *saved,
         *(sff or ()),
-        *dtypes,
         *names,
         *values,
     )
     return (flat, other) if other else flat
 
 
+def _only_saved(residuals: Residuals) -> Optional[tuple[Any, ...]]:
+    """The saved tensors, where the forward recorded nothing else on its ctx; else None."""
+    if type(residuals[0]) is int and residuals[1] < 0 and not residuals[4]:
+        return residuals[_HEADER:]
+    return None
+
+
 def _unpack(residuals: Residuals) -> Unpacked:
     flat, other = residuals if isinstance(residuals[0], tuple) else (residuals, None)
-    n_saved, n_sff, mask, materialize, n_in, n_attr = flat[:_HEADER]
+    n_saved, n_sff, _, _, n_attr = flat[:_HEADER]
     i = _HEADER
     saved = flat[i : i + n_saved]
     i += n_saved
     sff = None if n_sff < 0 else flat[i : i + n_sff]
     i += max(n_sff, 0)
-    dtypes = flat[i : i + n_in]
-    i += n_in
     attributes = dict(zip(flat[i : i + n_attr], flat[i + n_attr : i + 2 * n_attr]))
     if other:
         attributes.update(other)
-    nondiff = tuple(k for k in range(mask.bit_length()) if mask >> k & 1)
-    return Unpacked(saved, sff, attributes, nondiff, materialize, dtypes)
+    return Unpacked(saved, sff, attributes)
 
 
 class _MarkDirty(RuntimeError):

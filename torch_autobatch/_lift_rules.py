@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _C
-from ._lift_ctx import Residuals, _ReplayCtx, _unpack
+from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
 from ._per_example import per_example
 
 _Tensor = torch.Tensor
@@ -20,27 +21,38 @@ def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass
     """register_vjp's ``bwd`` for a legacy class: ``backward`` on a ctx rebuilt from the residuals."""
 
     def bwd(residuals: Residuals, *grads: Any, needs_input_grad: tuple[bool, ...]) -> Any:
-        r = _unpack(residuals)
-
-        def call(saved: tuple[Any, ...], attributes: dict[str, Any], grads: tuple[Any, ...]) -> Any:
-            return _count(backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads), n_in, cls)
-
+        saved = _only_saved(residuals)  # NOTE [A lifted Function's residuals are flat]
+        attributes: dict[str, Any] = {}
+        if saved is None:
+            saved, _, attributes = _unpack(residuals)
         try:
-            out = call(r.saved, r.attributes, grads)
+            out = backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads)
         except (RuntimeError, NotImplementedError) as e:
-            if not _may_loop_backward((r.saved, r.attributes, grads)):
+            if not _may_loop_backward((saved, attributes, grads)):
                 raise
             try:  # NOTE [A backward vmap cannot batch]
-                out = per_example(call, (r.saved, r.attributes, grads), f"{cls.__qualname__}.backward")
+                out = per_example(
+                    functools.partial(_call_backward, backward, needs_input_grad),
+                    (saved, attributes, grads),
+                    f"{cls.__qualname__}.backward",
+                )
             except Exception:
                 raise e from None
-        # autograd casts a Function's gradient to its input's dtype (an AMP forward that cast its inputs)
-        return tuple(
-            g.to(dtype) if isinstance(g, _Tensor) and dtype is not None and g.dtype != dtype else g
-            for g, dtype in zip(out, r.input_dtypes)
-        )
+        # (a gradient of another dtype than its input's, after an AMP forward
+        # cast its inputs, is cast by the node: set_cast_grad_dtypes)
+        return out if type(out) is tuple and len(out) == n_in else _count(out, n_in, cls)
 
     return bwd
+
+
+def _call_backward(
+    backward: Callable[..., Any],
+    needs_input_grad: tuple[bool, ...],
+    saved: tuple[Any, ...],
+    attributes: dict[str, Any],
+    grads: tuple[Any, ...],
+) -> Any:
+    return backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads)
 
 
 def _may_loop_backward(tree: Any) -> bool:
