@@ -203,6 +203,10 @@ class LiftedFunction:
         self._signature = _apply_signature(cls)
         # kinds -> (OpOverload, returns a 1-tuple, OpExtras)
         self._ops: dict[tuple[Any, ...], tuple[Any, bool, Any]] = {}
+        # the same entries by the arguments' types, where no argument is a list or tuple (their
+        # types then fix their kinds): a call's lookup without a Python call per argument
+        self._by_types: dict[tuple[type, ...], tuple[Any, bool, Any]] = {}
+        self._n = len(self._signature.parameters) if self._signature is not None else -1
         self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
         self.__name__ = cls.__name__
@@ -221,7 +225,7 @@ class LiftedFunction:
         ``lifted.overload_for(x, 3, None)`` is the op of ``lifted(x, 3, None)``
         (``torch.ops.ns.name.Tensor_int_None``), without running it.
         """
-        if kwargs or self._signature is None or len(args) != self._nparams:
+        if kwargs or len(args) != self._n:
             args = self._bind(args, kwargs)
         kinds = tuple(map(_kind, args))
         if _UNSUPPORTED in kinds:
@@ -251,14 +255,18 @@ class LiftedFunction:
         return bound.args
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or self._signature is None or len(args) != self._nparams:
+        if kwargs or len(args) != self._n:
             args = self._bind(args, kwargs)
-        kinds = tuple(map(_kind, args))
-        entry = self._ops.get(kinds)
+        entry = self._by_types.get(tuple(map(type, args)))
         if entry is None:
-            if _UNSUPPORTED in kinds:
-                return self._unsupported(kinds, args)
-            entry = self._define(kinds, args)
+            kinds = tuple(map(_kind, args))
+            entry = self._ops.get(kinds)
+            if entry is None:
+                if _UNSUPPORTED in kinds:
+                    return self._unsupported(kinds, args)
+                entry = self._define(kinds, args)
+            if all(isinstance(k, str) for k in kinds):
+                self._by_types[tuple(map(type, args))] = entry
         overload, returns_1_tuple, extras = entry
         eager = extras.eager_under_compile  # NOTE [A traced rule cannot read a tensor constant]
         if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
@@ -266,10 +274,6 @@ class LiftedFunction:
         else:
             out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
-
-    @property
-    def _nparams(self) -> int:
-        return len(self._signature.parameters) if self._signature is not None else -1
 
     def _unsupported(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         names = (
@@ -347,29 +351,33 @@ class _Kernel:
         self.__qualname__ = self.cls.__qualname__
         self.__doc__ = self.cls.__doc__
         self.lifted_class = self.cls  # (error messages name the class)
+        self.extras: Any = None  # the op's OpExtras, once it is defined
 
-    def run(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...], _RecordingCtx]:
+    def fwd(self, *args: Any) -> tuple[Any, Residuals]:
+        """register_vjp's ``fwd``: forward on a recording ctx, which becomes the residuals."""
         real = _restore(self.kinds, args) if self.restore else args
-        ctx = _RecordingCtx(self.tensor_args)
+        ctx = _new(_RecordingCtx)
+        ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
         outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
         if ctx.dirty_tensors:
             raise _MarkDirty(_mark_dirty_message(self.cls))
-        return real, outs, ctx
-
-    def fwd(self, *args: Any) -> tuple[Any, Residuals]:
-        real, outs, ctx = self.run(args)
+        if ctx.non_differentiable or not ctx.materialize_grads:
+            # ctx's marks, applied by a hook in setup_context from the first call that makes any
+            self.extras.vjp_setup_hook = _apply_marks
         return (outs[0] if self.single else outs), _residuals(ctx, outs)
 
     def __call__(self, *args: Any) -> Any:
         """The op's function."""
-        if self.new_style:
-            real = _restore(self.kinds, args) if self.restore else args
-            out = self.forward(*real)
-            outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
-        else:
-            _, outs, _ = self.run(args)  # nothing differentiated: no residuals
+        if not self.new_style:
+            return self.fwd(*args)[0]  # nothing differentiated: the residuals are dropped
+        real = _restore(self.kinds, args) if self.restore else args
+        out = self.forward(*real)
+        outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
         return outs[0] if self.single else outs
+
+
+_new = object.__new__
 
 
 def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Probe) -> Any:
@@ -398,8 +406,8 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
             op.register_jvp(cls.jvp, setup_context=cls.setup_context)
     else:
         bwd = _legacy_backward(backward, n_in, cls)
+        kernel.extras = op._ab
         op.register_vjp(fwd, bwd)
-        op._ab.vjp_setup_hook = _apply_marks
         op._ab.vjp_fwd_is_function = True  # the function is fwd's output: nothing to check
         if _defined_by_user(cls, "jvp"):
             op.register_jvp(_legacy_jvp(cls.jvp), setup_context=_legacy_jvp_setup_context(fwd))
