@@ -50,7 +50,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _vmap_presets
+from . import _lift_compile, _vmap_presets
 from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
 from ._lift_kinds import _UNSUPPORTED, _kind, _kind_token, _restore, _schema_type
 from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, _legacy_jvp_setup_context
@@ -58,6 +58,7 @@ from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, 
 __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
 
 FunctionClass = type[torch.autograd.Function]
+_is_compiling = torch.compiler.is_compiling
 
 _Tensor = torch.Tensor
 
@@ -534,9 +535,12 @@ def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: st
     def apply(klass: type, *args: Any, **kwargs: Any) -> Any:
         if klass is not cls:  # a subclass: its own forward
             return original(klass, *args, **kwargs)
+        if _is_compiling():  # NOTE [Dynamo and a class lifted in place]
+            return _lift_compile.traced_call(lifted, args, kwargs)
         return lifted(*args, **kwargs)
 
     apply.__wrapped__ = original  # type: ignore[attr-defined]
     apply.lifted = lifted  # type: ignore[attr-defined]
     cls.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    _lift_compile.allow_in_graph(cls, apply)
     return cls
