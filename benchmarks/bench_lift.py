@@ -16,7 +16,9 @@ Per-example gradients, ``vmap(grad(loss))`` over B examples of (64,) rows:
 
 Unbatched, ``f(x, w, eps)`` with ``x`` requiring grad (forward only), and forward + backward:
 
-5. the original ``Function.apply``;  6. the lifted callable.
+5. the original ``Function.apply``;  6. the lifted callable;  7. ``FunctionClass.apply`` of a
+class lifted in place (``torch_autobatch.autobatch``: one more Python frame, and a check for
+torch.compile).
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ def plain(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 lifted = torch_autobatch.from_function(RowNorm, name="bench_lift::rownorm")
+
+
+class RowNormInPlace(torch.autograd.Function):  # RowNorm again, lifted in place (autobatch)
+    forward = RowNorm.forward
+    backward = RowNorm.backward
+
+
+torch_autobatch.autobatch(RowNormInPlace)
 
 
 def loop_of_backward(X: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -129,11 +139,17 @@ def main() -> None:
         "6. lifted, forward + backward": tbench.Timer(
             "f(x, w, 1e-5).sum().backward()", globals={"f": lifted, "x": x, "w": w}
         ),
+        "7. autobatch in place, forward": tbench.Timer(
+            "f(x, w, 1e-5)", globals={"f": RowNormInPlace.apply, "x": x, "w": w}
+        ),
+        "7. autobatch in place, forward + backward": tbench.Timer(
+            "f(x, w, 1e-5).sum().backward()", globals={"f": RowNormInPlace.apply, "x": x, "w": w}
+        ),
     }
     t = measure(unbatched, args.rounds, args.min_run_time)
     print("\nunbatched, x: (8, 64) requiring grad (µs per call)")
     for k, us in t.items():
-        ref = t[k.replace("6. lifted", "5. Function.apply")]
+        ref = t[k.replace("6. lifted", "5. Function.apply").replace("7. autobatch in place", "5. Function.apply")]
         print(f"  {k:<46} {us:10.1f}  ({us / ref:5.2f}x Function.apply)")
 
 

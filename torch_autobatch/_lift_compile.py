@@ -156,5 +156,5 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             callback()
 
-        loader.exec_module = exec_then_register  # this spec's loader only (a new one per import)
+        loader.exec_module = exec_then_register  # type: ignore[method-assign]  # this spec's loader only
         return spec
