@@ -304,6 +304,37 @@ class TestOtherKindsOfOps(TestCase):
         report = check(lifted, [(torch.randn(4),)], raise_on_failure=False, only=["backward_vs_finite_differences"])
         self.assertEqual(report.status("backward_vs_finite_differences"), "FAIL")
 
+    def test_a_class_lifted_in_place_is_checked_through_its_apply(self):
+        # Dynamo traces an autograd.Function class itself: the compile checks must call Cls.apply, where
+        # before the fix a compiled torch.func.grad silently differentiated forward (the 2x backward lost)
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return torch.sin(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                (x,) = ctx.saved_tensors
+                return 2 * grad * torch.cos(x)
+
+        with self.assertRaisesRegex(TypeError, r"Twice\): the class is not lifted in place. Call torch_autobatch"):
+            check(Twice)
+        torch_autobatch.autobatch(Twice)
+        try:
+            deliberate = ["backward_vs_finite_differences", "backward_vs_function", "jvp_vs_backward", "opcheck"]
+            report = check(Twice, [(torch.randn(3, 4),)], raise_on_failure=False, skip=deliberate)
+            self.assertTrue(report.ok, str(report))
+            self.assertEqual(report.status("compile_grad"), "ok")
+            self.assertEqual(report.status("compile_aot_eager"), "ok")
+        finally:
+            del Twice.apply
+
+    def test_compile_grad_reports_a_backward_that_compile_bypasses(self):
+        # torch.library's op: under torch.compile(torch.func.grad) its backward is not what runs
+        report = check(_library_op("compile_grad"), raise_on_failure=False, only=["compile_grad"])
+        self.assertEqual(report.status("compile_grad"), "FAIL")
+
 
 class TestReport(TestCase):
     def test_raises_assertion_error_with_the_report(self):

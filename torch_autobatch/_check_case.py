@@ -105,8 +105,11 @@ def _first_line(e: BaseException) -> str:
 class _Op:
     """What check needs to know about an op: its rules, its schema, how to call it."""
 
-    def __init__(self, op: Any) -> None:
+    def __init__(self, op: Any, caller: Optional[Callable[..., Any]] = None) -> None:
         from torch._library import custom_ops
+
+        #: what calls the op, where not the op itself: ``FunctionClass.apply`` of a class lifted in place
+        self.caller = caller
 
         opdef = op
         if not isinstance(op, custom_ops.CustomOpDef):
@@ -141,7 +144,7 @@ class _Op:
         self.mutable = self.schema.is_mutable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.op(*args, **kwargs)
+        return (self.caller or self.op)(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- samples
@@ -372,7 +375,9 @@ class _Case:
         return float(sum((t.double() * u.double()).sum() for t, u in zip(ts, self.u)))
 
     def repro(self, check: str, given_samples: bool, shapes: Sequence[tuple[int, ...]]) -> str:
-        op = f"'{self.op.qualname}'"
+        # Cls.apply of a class lifted in place: check(Cls) calls it
+        owner = getattr(self.op.caller, "__self__", None)
+        op = f"'{self.op.qualname}'" if owner is None else owner.__qualname__
         if given_samples:
             return (
                 f"torch_autobatch.testing.check({op}, samples=samples[{self.index}:{self.index + 1}], only=['{check}'])"

@@ -13,7 +13,7 @@ import itertools
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,25 +47,12 @@ def _fresh_function(body: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _compile_check(case: _Case, backend: str) -> None:
-    _need_values(case)
-    if not case.tensors:
-        raise _Skip("no tensor arguments")
+def _compiled_call(body: Callable[..., Any], backend: str, args: Sequence[Any], what: str) -> Any:
+    """``torch.compile(body, backend=backend, fullgraph=True)(*args)``: a failure, or nothing compiled, is a _Fail."""
     import torch._dynamo.testing
 
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    backward = case.op.has_backward and bool(case.diff) and bool(case.float_outs)
-
-    def body(*ts: torch.Tensor) -> Any:
-        leaves = list(case.leaves)
-        for i, t in zip(case.tensors, ts):
-            leaves[i] = t
-        return case.call(leaves)
-
     compiled = torch.compile(_fresh_function(body), backend=counter, fullgraph=True)
-    ins = [case.leaves[i].detach() for i in case.tensors]
-    if backward:
-        ins = [t.requires_grad_() if i in case.diff else t for t, i in zip(ins, case.tensors)]
     # A failing compile logs its whole traceback at ERROR level: the report has it in one line.
     quiet = [logging.getLogger(name) for name in ("torch._subclasses.fake_tensor", "torch._dynamo")]
     levels = [logger.level for logger in quiet]
@@ -74,14 +61,33 @@ def _compile_check(case: _Case, backend: str) -> None:
             logger.setLevel(logging.CRITICAL)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = compiled(*ins)
+            out = compiled(*args)
     except Exception as e:
-        raise _Fail(f"torch.compile(backend={backend!r}, fullgraph=True) forward raised {_first_line(e)}") from e
+        raise _Fail(f"torch.compile(backend={backend!r}, fullgraph=True) {what} raised {_first_line(e)}") from e
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
     if counter.frame_count == 0:
         raise _Fail(f"torch.compile(backend={backend!r}) compiled nothing (ran eagerly)")
+    return out
+
+
+def _compile_check(case: _Case, backend: str) -> None:
+    _need_values(case)
+    if not case.tensors:
+        raise _Skip("no tensor arguments")
+    backward = case.op.has_backward and bool(case.diff) and bool(case.float_outs)
+
+    def body(*ts: torch.Tensor) -> Any:
+        leaves = list(case.leaves)
+        for i, t in zip(case.tensors, ts):
+            leaves[i] = t
+        return case.call(leaves)
+
+    ins = [case.leaves[i].detach() for i in case.tensors]
+    if backward:
+        ins = [t.requires_grad_() if i in case.diff else t for t, i in zip(ins, case.tensors)]
+    out = _compiled_call(body, backend, ins, "forward")
     got, expected = tree_flatten(out)[0], tree_flatten(case.out)[0]
     names = [f"output {i}" for i in range(len(expected))]
     _compare(got, expected, names, case.atol, case.rtol, f"torch.compile(backend={backend!r}) forward vs eager")
@@ -105,6 +111,16 @@ def _compile_check(case: _Case, backend: str) -> None:
         case.rtol,
         f"torch.compile(backend={backend!r}) backward vs eager .backward()",
     )
+
+
+def _check_compile_grad(case: _Case, exhaustive: bool) -> None:
+    """``torch.compile(torch.func.grad(loss))``: the rules traced through a transform (a path that can bypass them)."""
+    _need_backward(case)
+    argnums = tuple(range(len(case.diff)))
+    g = torch.func.grad(lambda *p: case.loss(case.floats_of(p)), argnums=argnums)
+    got = _compiled_call(g, "aot_eager", case.primals(), "torch.func.grad")
+    what = "torch.compile(torch.func.grad, backend='aot_eager') vs eager .backward()"
+    _compare(list(got), case.eager_vjp(), case.diff_names(), case.atol, case.rtol, what)
 
 
 def _check_compile_aot_eager(case: _Case, exhaustive: bool) -> None:

@@ -64,6 +64,7 @@ from ._check_derivatives import (
 from ._check_op import (
     _check_compile_aot_eager,
     _check_compile_eager,
+    _check_compile_grad,
     _check_compile_inductor,
     _check_export,
     _check_make_fx,
@@ -253,6 +254,11 @@ _CHECK_DEFS: dict[str, _CheckDef] = {
     "compile_aot_eager": _CheckDef(
         _check_compile_aot_eager, False, "torch.compile(backend='aot_eager', fullgraph=True) forward and backward"
     ),
+    "compile_grad": _CheckDef(
+        _check_compile_grad,
+        False,
+        "torch.compile(torch.func.grad(loss), backend='aot_eager', fullgraph=True) against eager .backward()",
+    ),
     "op_identity": _CheckDef(_check_op_identity, False, "torch.ops.ns.name is the op and gives its values"),
     "make_fx": _CheckDef(_check_make_fx, False, "make_fx keeps the op as one node"),
     "saved_tensors_freed": _CheckDef(
@@ -297,8 +303,11 @@ def check(
         op: a :func:`torch_autobatch.custom_op` op (also one upgraded with
             :func:`torch_autobatch.autobatch`, or a ``torch.library.custom_op``),
             its ``torch.ops.ns.name`` or ``"ns::name"``; or a lifted
-            ``autograd.Function`` (:func:`torch_autobatch.from_function`): each
-            overload is checked with the samples that call it.
+            ``autograd.Function`` (:func:`torch_autobatch.from_function`), or a
+            class lifted in place (``torch_autobatch.autobatch(FunctionClass)``,
+            then ``check(FunctionClass)``: the checks call ``FunctionClass.apply``,
+            so the compile checks see what Dynamo sees): each overload is
+            checked with the samples that call it.
         samples: the calls to check: tuples of positional arguments,
             ``(args, kwargs)`` pairs, :class:`Sample` s or OpInfo
             ``SampleInput`` s. None: generated from the schema, one per entry
@@ -325,13 +334,44 @@ def check(
         >>> check(double, only=["vmap", "jvp", "make_fx"]).ok  # samples from the schema
         True
     """
-    from ._lift import LiftedFunction
+    options: dict[str, Any] = dict(exhaustive=exhaustive, only=only, skip=skip, shapes=shapes, atol=atol, rtol=rtol)
+    lifted, caller = _lifted_of(op)
+    if lifted is not None:  # each overload with the samples that call it
+        return _check_lifted(lifted, samples, raise_on_failure, caller, **options)
+    return _check_one(_Op(op), samples, raise_on_failure, **options)
 
-    if isinstance(op, LiftedFunction):  # each overload its samples reach
-        options = dict(exhaustive=exhaustive, only=only, skip=skip, shapes=shapes, atol=atol, rtol=rtol)
-        return _check_lifted(op, samples, raise_on_failure, **options)
+
+def _lifted_of(op: Any) -> tuple[Any, Optional[Callable[..., Any]]]:
+    """A lifted ``autograd.Function`` and what calls it (``Cls.apply`` where lifted in place), or (None, None)."""
+    from ._lift import _LIFTED, LiftedFunction
+
+    if isinstance(op, LiftedFunction):
+        return op, None
+    if isinstance(op, type) and issubclass(op, torch.autograd.Function):
+        if op not in _LIFTED or "apply" not in vars(op):
+            raise TypeError(
+                f"torch_autobatch.testing.check({op.__qualname__}): the class is not lifted in place. Call "
+                f"torch_autobatch.autobatch({op.__qualname__}) first (then check calls {op.__qualname__}.apply), "
+                f"or check torch_autobatch.from_function({op.__qualname__})."
+            )
+        return _LIFTED[op], op.apply
+    return None, None
+
+
+def _check_one(
+    info: _Op,
+    samples: Optional[Iterable[Any]],
+    raise_on_failure: bool,
+    *,
+    exhaustive: bool,
+    only: Optional[Sequence[str]],
+    skip: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    atol: Optional[float],
+    rtol: Optional[float],
+) -> CheckReport:
+    """:func:`check` of one op (``info``): each check on each sample, one report."""
     start = time.perf_counter()
-    info = _Op(op)
     names = _check_names(only, skip, exhaustive)
     given = samples is not None
     sample_list = [_as_sample(s) for s in samples] if samples is not None else _generated_samples(info, shapes)
@@ -363,7 +403,13 @@ def _check_names(only: Optional[Sequence[str]], skip: Sequence[str], exhaustive:
     return [n for n in names if n not in skip]
 
 
-def _check_lifted(lifted: Any, samples: Optional[Iterable[Any]], raise_on_failure: bool, **options: Any) -> CheckReport:
+def _check_lifted(
+    lifted: Any,
+    samples: Optional[Iterable[Any]],
+    raise_on_failure: bool,
+    caller: Optional[Callable[..., Any]],
+    **options: Any,
+) -> CheckReport:
     """:func:`check` of a lifted ``autograd.Function``: each overload with the samples that call it, one report."""
     groups: dict[str, Optional[list[Any]]] = {}
     if samples is None:
@@ -378,7 +424,10 @@ def _check_lifted(lifted: Any, samples: Optional[Iterable[Any]], raise_on_failur
             sample = _as_sample(raw)
             name = lifted.overload_for(*sample.args, **sample.kwargs)._opoverload._overloadname
             groups.setdefault(name, []).append(sample)  # type: ignore[union-attr]
-    reports = [check(lifted.ops[name], group, raise_on_failure=False, **options) for name, group in groups.items()]
+    reports = [
+        _check_one(_Op(lifted.ops[name], caller), group, raise_on_failure=False, **options)
+        for name, group in groups.items()
+    ]
     descriptions: list[str] = []
     results: list[CheckResult] = []
     for r in reports:  # the samples numbered across overloads
