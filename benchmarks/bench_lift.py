@@ -17,8 +17,8 @@ Per-example gradients, ``vmap(grad(loss))`` over B examples of (64,) rows:
 Unbatched, ``f(x, w, eps)`` with ``x`` requiring grad (forward only), and forward + backward:
 
 5. the original ``Function.apply``;  6. the lifted callable;  7. ``FunctionClass.apply`` of a
-class lifted in place (``torch_autobatch.autobatch``: one more Python frame, and a check for
-torch.compile).
+class lifted in place (``torch_autobatch.autobatch``). Both check first for torch.compile
+(NOTE [Dynamo and a lifted Function]).
 """
 
 from __future__ import annotations

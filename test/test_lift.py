@@ -438,19 +438,35 @@ def make_gained(k: float) -> type:
     return Gained
 
 
-class TestCompileInPlace(TestCase):
-    """NOTE [Dynamo and a class lifted in place]: Dynamo traces an autograd.Function class itself, so
-    a class lifted in place must reach Dynamo as the lifted op, or torch.compile of a torch.func
-    transform silently differentiates ``forward`` instead of running the class's backward."""
+@contextlib.contextmanager
+def lifted_as(cls: type, how: str) -> Iterator[Any]:
+    """What calls the lifted class: ``cls.apply`` (lifted in place) or a fresh ``from_function`` callable."""
+    if how == "from_function":  # a fresh callable: its first call is the compiled one
+        yield torch_autobatch.from_function(cls, name=unique_op_name("tab_lift", cls.__name__))
+        return
+    with lifted_in_place(cls):
+        yield cls.apply
+
+
+def _overload(f: Any, *args: Any) -> Any:
+    return (getattr(f, "lifted", None) or f).overload_for(*args)
+
+
+class TestCompiledLiftedFunctions(TestCase):
+    """NOTE [Dynamo and a lifted Function]: Dynamo traces an autograd.Function class itself, so a class
+    lifted in place must reach Dynamo as the lifted op, or torch.compile of a torch.func transform
+    silently differentiates ``forward`` instead of running the class's backward; a from_function
+    callable must not be traced into (its first call defines an overload)."""
 
     def _compiled(self, f: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
         torch._dynamo.reset()
         return torch.compile(f, backend="aot_eager", dynamic=False, **kwargs)
 
+    @parametrize("how", ["in_place", "from_function"])
     @parametrize("name", list(CASES))
-    def test_compiled_transforms_run_the_class_backward(self, name):
-        # k = 2 (the 2x backward): on the code before the fix, compiled grad and vmap(grad) gave the
-        # derivative of forward (and 0 through a numpy forward)
+    def test_compiled_transforms_run_the_class_backward(self, name, how):
+        # k = 2 (the 2x backward): on the code before the fix, compiled grad and vmap(grad) of a class
+        # lifted in place gave the derivative of forward (and 0 through a numpy forward)
         case, cls = CASES[name], CASES[name].make(2)
         torch.manual_seed(0)
         args = case.sample()
@@ -459,55 +475,54 @@ class TestCompileInPlace(TestCase):
         i = case.argnums[0]
         of = lambda f: lambda x: _loss(f, weights)(*_with(args, (i,), (x,)))  # noqa: E731
         x, X = args[i], torch.stack([args[i], -0.5 * args[i]])
-        with lifted_in_place(cls):
-            self.assertEqual(self._compiled(grad(of(cls.apply)))(x), grad(of(plain))(x))
-            self.assertEqual(self._compiled(vmap(grad(of(cls.apply))))(X), vmap_loop(grad(of(plain)), (0,), X))
+        with lifted_as(cls, how) as f:
+            self.assertEqual(self._compiled(grad(of(f)))(x), grad(of(plain))(x))
+            self.assertEqual(self._compiled(vmap(grad(of(f))))(X), vmap_loop(grad(of(plain)), (0,), X))
             leaf = x.clone().requires_grad_()
-            self._compiled(of(cls.apply))(leaf).backward()
+            self._compiled(of(f))(leaf).backward()
             self.assertEqual(leaf.grad, grad(of(plain))(x))
             if case.forward_mode:  # forward mode of a class with no jvp: the derivative of its forward
                 t = torch.randn_like(x)
-                self.assertEqual(
-                    self._compiled(lambda x: jvp(of(cls.apply), (x,), (t,)))(x), jvp(of(case.plain), (x,), (t,))
-                )
+                self.assertEqual(self._compiled(lambda x: jvp(of(f), (x,), (t,)))(x), jvp(of(case.plain), (x,), (t,)))
 
-    def test_a_torch_forward_compiles_into_one_graph_as_the_op(self):
-        cls = make_rownorm(2)
+    @parametrize("how", ["in_place", "from_function"])
+    def test_a_torch_forward_compiles_into_one_graph_as_the_op(self, how):
+        # (imported here: a test imports this module before torch._dynamo is imported)
+        from torch._dynamo.testing import CompileCounterWithBackend
+
         x, w = torch.randn(3, 4, dtype=DT), torch.randn(4, dtype=DT)
-        f = lambda x: (cls.apply(x, w, 1e-5) ** 2).sum()  # noqa: E731
-        with lifted_in_place(cls):
-            # (imported here: a test imports this module before torch._dynamo is imported)
-            from torch._dynamo.testing import CompileCounterWithBackend
-
+        with lifted_as(make_rownorm(2), how) as f:
+            loss = lambda x: (f(x, w, 1e-5) ** 2).sum()  # noqa: E731
             counter = CompileCounterWithBackend("aot_eager")
             torch._dynamo.reset()
-            got = torch.compile(grad(f), backend=counter, fullgraph=True)(x)
+            # a first call under fullgraph=True: a from_function callable defines its overload there
+            got = torch.compile(grad(loss), backend=counter, fullgraph=True)(x)
             self.assertEqual(got, grad(lambda x: (scaled_derivative_fn(rownorm, 2)(x, w, 1e-5) ** 2).sum())(x))
             self.assertEqual(counter.frame_count, 1)
-            ep = torch.export.export(_Applies(cls), (x, w))
+            ep = torch.export.export(_Applies(f), (x, w))
             calls = [n.target for n in ep.graph.nodes if n.op == "call_function"]
-            self.assertEqual([str(t) for t in calls], [str(cls.apply.lifted.ops["Tensor_Tensor_float"]._opoverload)])
+            self.assertEqual(calls, [_overload(f, x, w, 1e-5)._opoverload])
 
-    def test_a_numpy_forward_runs_eagerly_between_graphs_or_takes_a_fake_kernel(self):
-        cls = make_numpy(2)
+    @parametrize("how", ["in_place", "from_function"])
+    def test_a_numpy_forward_runs_eagerly_between_graphs_or_takes_a_fake_kernel(self, how):
         x = torch.randn(3, dtype=DT)
-        f = lambda x: (cls.apply(x) * x).sum()  # noqa: E731
-        with lifted_in_place(cls):
-            with self.assertRaisesRegex(Exception, r"NumpySin.apply runs eagerly .* cannot run on fake tensors"):
+        with lifted_as(make_numpy(2), how) as lifted:
+            f = lambda x: (lifted(x) * x).sum()  # noqa: E731
+            with self.assertRaisesRegex(Exception, r"NumpySin.* runs eagerly .* cannot run on fake tensors"):
                 self._compiled(f, fullgraph=True)(x)
             expected = 2 * x.cos() * x + x.sin()  # the 2x backward
             self.assertEqual(self._compiled(grad(f))(x), expected)  # a graph break: the op runs eagerly
-            cls.apply.lifted.overload_for(x).register_fake(torch.empty_like)
+            _overload(lifted, x).register_fake(torch.empty_like)
             self.assertEqual(self._compiled(f, fullgraph=True)(x), f(x))  # in the graph, by its fake kernel
             # differentiated, its forward makes the residuals: it runs eagerly again, never a wrong value
             self.assertEqual(self._compiled(grad(f))(x), expected)
 
-    def test_rules_that_read_a_tensor_constant_run_eagerly_and_read_it_live(self):
-        cls = make_gained(1)
+    @parametrize("how", ["in_place", "from_function"])
+    def test_rules_that_read_a_tensor_constant_run_eagerly_and_read_it_live(self, how):
         x = torch.randn(3, dtype=DT)
-        f = lambda x: cls.apply(x).sum()  # noqa: E731
-        with lifted_in_place(cls):
-            with self.assertRaisesRegex(Exception, r"Gained.apply runs eagerly .* rules read tensors"):
+        with lifted_as(make_gained(1), how) as lifted:
+            f = lambda x: lifted(x).sum()  # noqa: E731
+            with self.assertRaisesRegex(Exception, r"Gained.* runs eagerly .* rules read tensors"):
                 self._compiled(grad(f), fullgraph=True)(x)
             compiled = self._compiled(grad(f))
             self.assertEqual(compiled(x), 2 * x)
@@ -537,16 +552,16 @@ class TestCompileInPlace(TestCase):
         self.assertEqual(out.stdout.strip(), "ok", out.stderr[-3000:])
 
 
-instantiate_parametrized_tests(TestCompileInPlace)
+instantiate_parametrized_tests(TestCompiledLiftedFunctions)
 
 
 class _Applies(torch.nn.Module):
-    def __init__(self, cls: type) -> None:
+    def __init__(self, f: Callable[..., Any]) -> None:
         super().__init__()
-        self.cls = cls
+        self.f = f
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.cls.apply(x, w, 1e-5)
+        return self.f(x, w, 1e-5)
 
 
 def _import_pytorch_wavelets() -> Any:
@@ -782,7 +797,7 @@ class TestLiftedAutogradFunctionDb(TestCase):
                 with lifted_in_place(*_torch_db_classes()):
                     self.assertEqual(f(*args), out, msg=opinfo.name)
                     self.assertEqual(list(g(*(args[i] for i in diff))), expected, msg=opinfo.name)
-                    if n == 0:  # NOTE [Dynamo and a class lifted in place]: compiled, the classes' rules too
+                    if n == 0:  # NOTE [Dynamo and a lifted Function]: compiled, the classes' rules too
                         torch._dynamo.reset()
                         compiled = torch.compile(g, backend="aot_eager", dynamic=False)
                         self.assertEqual(list(compiled(*(args[i] for i in diff))), expected, msg=opinfo.name)

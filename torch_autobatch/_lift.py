@@ -256,6 +256,12 @@ class LiftedFunction:
         return bound.args
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():  # NOTE [Dynamo and a lifted Function]
+            return _lift_compile.traced_call(self, args, kwargs, in_place=False)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call: the overload for these arguments' kinds (defined on first use), or torch's apply."""
         if kwargs or len(args) != self._n:
             args = self._bind(args, kwargs)
         entry = self._by_types.get(tuple(map(type, args)))
@@ -268,12 +274,8 @@ class LiftedFunction:
                 entry = self._define(kinds, args)
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
-        overload, returns_1_tuple, extras = entry
-        eager = extras.eager_under_compile  # NOTE [A traced rule cannot read a tensor constant]
-        if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            out = eager(*args)
-        else:
-            out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
+        overload, returns_1_tuple, _ = entry
+        out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
 
     def _unsupported(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
@@ -506,7 +508,9 @@ def from_function(
                 raise ValueError(f"torch_autobatch.from_function: the name {name!r} is taken by another lifted class.")
             _TAKEN.add(name)
         qualname = name
-    return LiftedFunction(cls, qualname, vmap, compile)
+    lifted = LiftedFunction(cls, qualname, vmap, compile)
+    _lift_compile.allow_in_graph(lifted, LiftedFunction.__call__)  # NOTE [Dynamo and a lifted Function]
+    return lifted
 
 
 def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: str = "fuse") -> FunctionClass:
@@ -535,9 +539,9 @@ def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: st
     def apply(klass: type, *args: Any, **kwargs: Any) -> Any:
         if klass is not cls:  # a subclass: its own forward
             return original(klass, *args, **kwargs)
-        if _is_compiling():  # NOTE [Dynamo and a class lifted in place]
-            return _lift_compile.traced_call(lifted, args, kwargs)
-        return lifted(*args, **kwargs)
+        if _is_compiling():  # NOTE [Dynamo and a lifted Function]
+            return _lift_compile.traced_call(lifted, args, kwargs, in_place=True)
+        return lifted._run(args, kwargs)
 
     apply.__wrapped__ = original  # type: ignore[attr-defined]
     apply.lifted = lifted  # type: ignore[attr-defined]
