@@ -248,6 +248,23 @@ def _library_op(name: str) -> Any:
     return scaled_sin
 
 
+def _twice_sin() -> type:
+    """A legacy autograd.Function: sin(x), with a deliberately 2x backward."""
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.sin(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * grad * torch.cos(x)
+
+    return Twice
+
+
 class TestOtherKindsOfOps(TestCase):
     def test_torch_library_op_is_reported_where_torch_fails_it(self):
         # torch.library's own op: forward mode is silently zero, torch.func refuses the backward.
@@ -289,35 +306,14 @@ class TestOtherKindsOfOps(TestCase):
         self.assertIn("[" + lifted.ops["Tensor_int"]._qualname + "]", str(report))
 
     def test_a_lifted_function_with_a_2x_backward_fails(self):
-        class Twice(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.save_for_backward(x)
-                return torch.sin(x)
-
-            @staticmethod
-            def backward(ctx, grad):
-                (x,) = ctx.saved_tensors
-                return 2 * grad * torch.cos(x)
-
-        lifted = torch_autobatch.from_function(Twice, name=unique_op_name(NS, "lifted_twice"))
+        lifted = torch_autobatch.from_function(_twice_sin(), name=unique_op_name(NS, "lifted_twice"))
         report = check(lifted, [(torch.randn(4),)], raise_on_failure=False, only=["backward_vs_finite_differences"])
         self.assertEqual(report.status("backward_vs_finite_differences"), "FAIL")
 
     def test_a_class_lifted_in_place_is_checked_through_its_apply(self):
         # Dynamo traces an autograd.Function class itself: the compile checks must call Cls.apply, where
         # before the fix a compiled torch.func.grad silently differentiated forward (the 2x backward lost)
-        class Twice(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.save_for_backward(x)
-                return torch.sin(x)
-
-            @staticmethod
-            def backward(ctx, grad):
-                (x,) = ctx.saved_tensors
-                return 2 * grad * torch.cos(x)
-
+        Twice = _twice_sin()
         with self.assertRaisesRegex(TypeError, r"Twice\): the class is not lifted in place. Call torch_autobatch"):
             check(Twice)
         torch_autobatch.autobatch(Twice)
