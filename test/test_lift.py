@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -962,6 +963,25 @@ class TestLiftApi(TestCase):
         self.assertEqual(cls.apply, original)
         with self.assertRaisesRegex(RuntimeError, "setup_context"):
             grad(lambda x: cls.apply(x, w, 1e-5).sum())(x)
+
+    def test_an_alias_the_library_took_at_import_follows_the_lifting(self):
+        # `square = Square.apply` in the library's module, before autobatch: bound to torch's apply,
+        # it would stay refused by torch.func (and, compiled, be traced by Dynamo as the plain class)
+        module = types.ModuleType("tab_lift_alias_pkg.kernels")
+        cls = make_once(2)
+        cls.__module__ = module.__name__
+        module.square = cls.apply  # type: ignore[attr-defined]
+        sys.modules[module.__name__] = module
+        x = torch.randn(3, dtype=DT)
+        try:
+            with lifted_in_place(cls):
+                f = lambda x: module.square(x).sum()  # noqa: E731
+                self.assertEqual(grad(f)(x), 2 * 3 * x**2)  # the 2x backward
+                self.assertEqual(torch.compile(grad(f), backend="aot_eager", fullgraph=True)(x), 2 * 3 * x**2)
+            with self.assertRaisesRegex(RuntimeError, "setup_context"):  # undone with the lifting
+                grad(lambda x: module.square(x).sum())(x)
+        finally:
+            del sys.modules[module.__name__]
 
     def test_a_subclass_keeps_torchs_apply(self):
         base = make_once(1)

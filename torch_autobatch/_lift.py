@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import threading
 from typing import Any, NamedTuple, Optional
 
@@ -522,6 +523,11 @@ def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: st
     ``del FunctionClass.apply`` undoes it (``autograd.Function.apply`` is
     inherited again). A subclass of the class keeps torch's ``apply`` for
     itself (its ``forward`` is another function). A second call is a no-op.
+    An alias the library took at import (``sparsemax = SparsemaxFunction.apply``,
+    a global of a module of the class's package) is bound to torch's
+    ``apply`` and would never see the change: it is rebound to a function
+    that looks ``FunctionClass.apply`` up on each call, so it follows the
+    lifting and its undoing.
     """
     _check_class(cls, "autobatch")
     if cls in _LIFTED and "apply" in vars(cls):
@@ -547,4 +553,22 @@ def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: st
     apply.lifted = lifted  # type: ignore[attr-defined]
     cls.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
     _lift_compile.allow_in_graph(cls, apply)
+    _rebind_aliases(cls)
     return cls
+
+
+def _rebind_aliases(cls: FunctionClass) -> None:
+    """Globals of the class's package bound to torch's ``cls.apply`` call ``cls.apply`` instead (NOTE [Lifting in place])."""
+    package = cls.__module__.split(".")[0]
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        return cls.apply(*args, **kwargs)
+
+    apply.__qualname__ = apply.__name__ = f"{cls.__qualname__}.apply"
+    for name, module in list(sys.modules.items()):
+        if module is None or (name != package and not name.startswith(package + ".")):
+            continue
+        for attr, value in list(vars(module).items()):
+            # a bound method of torch's apply (a classmethod, or a C builtin on torch >= 2.14)
+            if getattr(value, "__self__", None) is cls and getattr(value, "__name__", None) == "apply":
+                setattr(module, attr, apply)
