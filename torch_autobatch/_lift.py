@@ -46,6 +46,7 @@ import inspect
 import re
 import sys
 import threading
+import types
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -60,6 +61,7 @@ __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
 
 FunctionClass = type[torch.autograd.Function]
 _is_compiling = torch.compiler.is_compiling
+_BOUND_METHODS = (types.MethodType, types.BuiltinMethodType)
 
 _Tensor = torch.Tensor
 
@@ -569,6 +571,7 @@ def _rebind_aliases(cls: FunctionClass) -> None:
         if module is None or (name != package and not name.startswith(package + ".")):
             continue
         for attr, value in list(vars(module).items()):
-            # a bound method of torch's apply (a classmethod, or a C builtin on torch >= 2.14)
-            if getattr(value, "__self__", None) is cls and getattr(value, "__name__", None) == "apply":
+            # a bound method of torch's apply (a classmethod, or a C builtin on torch >= 2.14); only
+            # the type is asked of other values (an attribute lookup may run their code)
+            if type(value) in _BOUND_METHODS and value.__self__ is cls and value.__name__ == "apply":
                 setattr(module, attr, apply)
