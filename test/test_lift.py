@@ -947,6 +947,11 @@ class TestLiftedArguments(TestCase):
         self.assertEqual(x, torch.zeros(2))
 
 
+class _RaisesOnAnyAttribute:
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"looked up {name}")
+
+
 # ---------------------------------------------------------------------- API
 class TestLiftApi(TestCase):
     def test_autobatch_in_place_is_idempotent_and_undone_by_del(self):
@@ -971,6 +976,7 @@ class TestLiftApi(TestCase):
         cls = make_once(2)
         cls.__module__ = module.__name__
         module.square = cls.apply  # type: ignore[attr-defined]
+        module.lazy = _RaisesOnAnyAttribute()  # type: ignore[attr-defined]  # (torch.backends.cuda's kind)
         sys.modules[module.__name__] = module
         x = torch.randn(3, dtype=DT)
         try:
