@@ -533,6 +533,18 @@ class TestCompiledLiftedFunctions(TestCase):
             finally:
                 _GAIN.fill_(2.0)
 
+    def test_another_thread_compiles_the_same_answers(self):
+        x, w = torch.randn(3, 4, dtype=DT), torch.randn(4, dtype=DT)
+        expected = grad(lambda x: scaled_derivative_fn(rownorm, 2)(x, w, 1e-5).sum())(x)
+        with lifted_as(make_rownorm(2), "in_place") as f:
+            compiled = self._compiled(grad(lambda x: f(x, w, 1e-5).sum()))
+            got: list[torch.Tensor] = []
+            worker = threading.Thread(target=lambda: got.append(compiled(x)))
+            worker.start()
+            worker.join()
+            self.assertEqual(got[0], expected)  # compiled on the worker
+            self.assertEqual(compiled(x), expected)  # and run again here
+
     def test_a_class_lifted_before_dynamo_is_imported(self):
         script = textwrap.dedent(
             f"""

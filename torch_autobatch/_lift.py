@@ -205,11 +205,11 @@ class LiftedFunction:
         self._new_style = _is_new_style(cls)
         self._forward = cls.forward
         self._signature = _apply_signature(cls)
-        # kinds -> (OpOverload, returns a 1-tuple, OpExtras)
-        self._ops: dict[tuple[Any, ...], tuple[Any, bool, Any]] = {}
+        # kinds -> (OpOverload, returns a 1-tuple)
+        self._ops: dict[tuple[Any, ...], tuple[Any, bool]] = {}
         # the same entries by the arguments' types, where no argument is a list or tuple (their
         # types then fix their kinds): a call's lookup without a Python call per argument
-        self._by_types: dict[tuple[type, ...], tuple[Any, bool, Any]] = {}
+        self._by_types: dict[tuple[type, ...], tuple[Any, bool]] = {}
         self._n = len(self._signature.parameters) if self._signature is not None else -1
         self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
@@ -234,7 +234,7 @@ class LiftedFunction:
         kinds = tuple(map(_kind, args))
         if _UNSUPPORTED in kinds:
             raise TypeError(f"{self._cls.__qualname__}.apply: no operator schema holds these arguments' kinds {kinds}.")
-        overload, _, _ = self._ops.get(kinds) or self._define(kinds, args)
+        overload, _ = self._ops.get(kinds) or self._define(kinds, args)
         return self._defs[overload._overloadname]
 
     @property
@@ -277,7 +277,7 @@ class LiftedFunction:
                 entry = self._define(kinds, args)
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
-        overload, returns_1_tuple, _ = entry
+        overload, returns_1_tuple = entry
         out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
 
@@ -303,14 +303,14 @@ class LiftedFunction:
             f"torch_autobatch.custom_op."
         )
 
-    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, bool, Any]:
+    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, bool]:
         probe = _probe(self, kinds, args)
         with self._lock:
             entry = self._ops.get(kinds)
             if entry is None:
                 op = _define_overload(self, kinds, probe)
                 self._defs[op._opoverload._overloadname] = op
-                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1, op._ab)
+                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1)
                 self._ops[kinds] = entry
         return entry
 
@@ -570,7 +570,11 @@ def _rebind_aliases(cls: FunctionClass) -> None:
     for name, module in list(sys.modules.items()):
         if module is None or (name != package and not name.startswith(package + ".")):
             continue
-        for attr, value in list(vars(module).items()):
+        try:
+            globals_ = list(vars(module).items())
+        except TypeError:  # an object in sys.modules without a __dict__
+            continue
+        for attr, value in globals_:
             # a bound method of torch's apply (a classmethod, or a C builtin on torch >= 2.14); only
             # the type is asked of other values (an attribute lookup may run their code)
             if type(value) in _BOUND_METHODS and value.__self__ is cls and value.__name__ == "apply":
