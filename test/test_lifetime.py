@@ -17,6 +17,7 @@ import weakref
 import torch
 from oracles import make_scaled_rule_op
 from torch.func import grad, vmap
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
@@ -148,6 +149,84 @@ class TestRedefinition(TestCase):
         self.assertFalse(op._ab.registration.registered)
         self.assertFalse(_has_kernel(f"{NS}::destroyed", "FuncTorchBatched"))
         op._ab.registration.destroy()  # idempotent
+
+
+def _churn_the_dispatcher() -> None:
+    """Defines and frees operators, so that a freed operator entry's memory is reused."""
+    for i in range(64):
+        lib = torch.library.Library(f"{NS}_churn{i}", "DEF")
+        lib.define("g(Tensor x) -> Tensor")
+        lib._destroy()
+    gc.collect()
+
+
+class TestStaleObject(TestCase):
+    """NOTE [A redefined op's old object is stale]: the old object raises, never reads the freed definition.
+
+    Without it, each call below read a freed dispatcher entry: a segfault in
+    CI (test_traced_vmap once redefined one of its ops inside a test), or an
+    INTERNAL ASSERT with a garbage operator name under AddressSanitizer.
+    """
+
+    def setUp(self):
+        super().setUp()
+        self.x = torch.randn(4, 3, dtype=torch.float64)
+
+    def _stale(self, qualname: str, fn) -> None:
+        for call in (fn, vmap(fn), grad(lambda x: fn(x).sum()), vmap(grad(lambda x: fn(x).sum()))):
+            with self.assertRaisesRegex(RuntimeError, f"object of the operator {qualname} is stale.*defined again"):
+                call(self.x)
+
+    def test_redefined_by_ours_or_by_torch_library(self):
+        for i, redefine in enumerate((torch_autobatch.custom_op, torch.library.custom_op)):
+            qualname = f"{NS}::stale_{i}"
+            old = make_scaled_rule_op(qualname, torch.sin, torch.cos, schema="(Tensor x) -> Tensor")
+            new = redefine(qualname, torch.cos, mutates_args=(), schema="(Tensor x) -> Tensor")
+            _churn_the_dispatcher()
+            self._stale(qualname, old)
+            self.assertEqual(new(self.x), torch.cos(self.x))
+
+    def test_an_upgraded_op_redefined(self):
+        @torch.library.custom_op(f"{NS}::stale_upgraded", mutates_args=())
+        def old(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x)
+
+        torch_autobatch.autobatch(old)
+        torch.library.custom_op(f"{NS}::stale_upgraded", torch.cos, mutates_args=(), schema="(Tensor x) -> Tensor")
+        _churn_the_dispatcher()
+        self._stale(f"{NS}::stale_upgraded", old)
+
+    def test_a_lifted_class_whose_overload_is_redefined(self):
+        class Square(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * x
+
+            @staticmethod
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                return 2 * g * x
+
+        lifted = torch_autobatch.from_function(Square, name=f"{NS}::stale_lifted")
+        self.assertEqual(lifted(self.x), self.x * self.x)
+        overload = f"{NS}::stale_lifted.Tensor"
+        torch_autobatch.custom_op(overload, torch.cos, mutates_args=(), schema="(Tensor x) -> Tensor")
+        _churn_the_dispatcher()
+        for call in (lifted, vmap(lifted), grad(lambda x: lifted(x).sum())):
+            with self.assertRaisesRegex(RuntimeError, rf"{overload} \(lifting .*Square.apply\) is stale"):
+                call(self.x)
+
+    def test_a_graph_recorded_before_the_redefinition(self):
+        # make_fx(vmap(op)) records the op's vmapped companion, which calls the op.
+        qualname = f"{NS}::stale_traced"
+        old = make_scaled_rule_op(qualname, torch.sin, torch.cos, schema="(Tensor x) -> Tensor")
+        gm = make_fx(vmap(old))(self.x)
+        self.assertEqual(gm(self.x), torch.sin(self.x))
+        make_scaled_rule_op(qualname, torch.tanh, torch.cos, schema="(Tensor x) -> Tensor")
+        _churn_the_dispatcher()
+        with self.assertRaisesRegex(RuntimeError, f"object of the operator {qualname} is stale"):
+            gm(self.x)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from torch._library import simple_registry
 from torch._library import utils as _library_utils
 
 from . import _C, _closure, _compile, _subclass, _vjp, _vjp_check, _vmap_presets, _warn
-from ._kernel_side import KernelSide, OpExtras, takes_keyword_only_inputs
+from ._kernel_side import KernelSide, OpExtras, mark_gone, takes_keyword_only_inputs
 from ._op_identity import OpIdentity
 from ._schema import schema_of
 
@@ -182,6 +182,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
 
     def _destroy_kernels(self) -> None:
         """Deregisters our C++ kernels (torch destroying the op's Library calls this)."""
+        mark_gone(self)  # NOTE [A redefined op's old object is stale]
         self._ab.registration.destroy()
         _compile.unlist_for_inductor(self)
         _compile.unlist_for_torchscript(self)

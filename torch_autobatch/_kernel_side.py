@@ -77,7 +77,9 @@ class OpExtras:
         "trailing_defaults",
         "vmap_preset",
         "vmapped_companion",
-        "eager_under_compile",
+        "_eager_under_compile",
+        "gone",
+        "guarded",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -117,9 +119,57 @@ class OpExtras:
         self.vmap_preset: Optional[str] = None
         #: vmap(op)'s one node in a graph trace, once defined (NOTE [One node for vmap(op) in a trace]).
         self.vmapped_companion: Any = None
-        #: The op's call, run between compiled graphs where its rules read tensor
-        #: constants, or None (NOTE [A traced rule cannot read a tensor constant]).
-        self.eager_under_compile: Optional[Callable[..., Any]] = None
+        #: The error a call raises once the op's definition is gone, or None
+        #: (NOTE [A redefined op's old object is stale]).
+        self.gone: Optional[str] = None
+        #: Does a call take the slow path (``eager_under_compile`` or ``gone`` set)?
+        self.guarded = False
+        self._eager_under_compile: Optional[Callable[..., Any]] = None
+
+    @property
+    def eager_under_compile(self) -> Optional[Callable[..., Any]]:
+        """The op's call, run between compiled graphs where its rules read tensor
+        constants, or None (NOTE [A traced rule cannot read a tensor constant])."""
+        return self._eager_under_compile
+
+    @eager_under_compile.setter
+    def eager_under_compile(self, eager: Optional[Callable[..., Any]]) -> None:
+        self._eager_under_compile = eager
+        self.guarded = eager is not None or self.gone is not None
+
+
+# NOTE [A redefined op's old object is stale]
+# torch.library lets an op's name be defined again: custom_op destroys the old
+# definition's Library, and the dispatcher frees the old operator entry once
+# nothing is registered on it. The old op object, and every OpOverload taken
+# from it, still points there: torch.library.custom_op's own object, called
+# after a redefinition, reads freed memory (a segfault, or garbage in an
+# error). Ours learns that its definition is gone from the teardown that
+# deregisters our kernels (NOTE [Kernels die with their op]), and from then on
+# every way a call of ours reaches the dispatcher through it raises a clear
+# error naming the op and what to call instead: the op's __call__ (so
+# vmap(op), grad(op), ...), a lifted class's cached overloads (_lift.py), and
+# the companion of a graph recorded before the redefinition (_traced_vmap.py).
+# An OpOverload the user keeps (torch.ops.ns.name.default across a
+# redefinition) is torch's, with torch's behaviour.
+def mark_gone(op: KernelSide) -> None:
+    """The op's definition is gone: calls of this object raise from now on."""
+    namespace, name = op._qualname.split("::")
+    lifted = getattr(op._init_fn, "lifted_class", None)
+    what = f" (lifting {lifted.__qualname__}.apply)" if lifted is not None else ""
+    op._ab.gone = (
+        f"torch_autobatch: this object of the operator {op._qualname}{what} is stale: the operator was defined "
+        f"again, or the torch.library.Library that defined it was destroyed, after the object was made. torch "
+        f"frees the old definition, so the object cannot call it any more. Call the object the new definition "
+        f"returned, or torch.ops.{namespace}.{name}; do not define two operators of one name in one process."
+    )
+    op._ab.guarded = True
+
+
+def check_live(op: KernelSide) -> None:
+    """Raises if the op's definition is gone (NOTE [A redefined op's old object is stale])."""
+    if op._ab.gone is not None:
+        raise RuntimeError(op._ab.gone)
 
 
 class KernelSide:
@@ -140,10 +190,13 @@ class KernelSide:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the op (as torch's ``CustomOpDef``); under torch.compile between graphs where its rules read constants."""
-        eager = self._ab.eager_under_compile
-        # NOTE [A traced rule cannot read a tensor constant] (export traces no rule)
-        if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            return eager(*args, **kwargs)
+        ab = self._ab
+        if ab.guarded:  # one flag for the cases below: the common call reads nothing else
+            check_live(self)  # NOTE [A redefined op's old object is stale]
+            eager = ab.eager_under_compile
+            # NOTE [A traced rule cannot read a tensor constant] (export traces no rule)
+            if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+                return eager(*args, **kwargs)
         return self._opoverload(*args, **kwargs)
 
     def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:

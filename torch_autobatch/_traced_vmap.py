@@ -372,6 +372,10 @@ def _vmapped(op: KernelSide, n: int, args: tuple[Any, ...]) -> Any:
     outputs unbatched at dim 0) without its argument checks and pytrees: the
     companion checked its arguments, and this runs on every call of a graph.
     """
+    if (
+        op._ab.gone is not None
+    ):  # a graph recorded before op was defined again: NOTE [A redefined op's old object is stale]
+        raise RuntimeError(op._ab.gone)
     op_args, randomness = args[:n], args[n + 1]
     flat = iter(args[n])
     batch_size: Any = None  # an int or SymInt, from the first batched tensor
