@@ -34,6 +34,10 @@ SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")
 DEBUG = os.environ.get("DEBUG", "0") not in ("", "0")
 CXX_FLAGS = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O2"]
 CXX_FLAGS += ["-fvisibility=hidden", "-Wno-unused-parameter"]
+# ASAN=1: AddressSanitizer in our extension (tools/test_with_asan.sh runs the
+# suite with it; torch's own libraries stay uninstrumented).
+ASAN = os.environ.get("ASAN", "0") not in ("", "0")
+SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"] if ASAN else []
 BUILD_INFO = ROOT / "torch_autobatch" / "_build_info.py"
 # NOTE [A persistent build directory]
 # pip builds an editable install in a fresh temporary directory each time, so
@@ -49,7 +53,7 @@ BUILD_INFO = ROOT / "torch_autobatch" / "_build_info.py"
 # package only when it differs, by rename, so a process that has the old one
 # loaded keeps it intact; a regular wheel build keeps setuptools' build_lib,
 # which its install step reads. `rm -rf build` starts from scratch.
-BUILD_TYPE = "debug" if DEBUG else "release"
+BUILD_TYPE = ("debug" if DEBUG else "release") + ("-asan" if ASAN else "")
 BUILD_DIR = ROOT / "build" / f"{sys.implementation.cache_tag}-torch-{torch.__version__}-{BUILD_TYPE}"
 
 torch_version = TorchVersion(torch.__version__)
@@ -117,7 +121,8 @@ setup(
             "torch_autobatch._C",
             SOURCES,
             include_dirs=[str(ROOT / "csrc"), str(ROOT / "csrc" / "shim")],
-            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_compile_args={"cxx": CXX_FLAGS + SANITIZE},
+            extra_link_args=SANITIZE,
         )
     ],
     cmdclass={"build_ext": BuildWithInfo},

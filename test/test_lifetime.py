@@ -173,7 +173,9 @@ class TestStaleObject(TestCase):
         self.x = torch.randn(4, 3, dtype=torch.float64)
 
     def _stale(self, qualname: str, fn) -> None:
-        for call in (fn, vmap(fn), grad(lambda x: fn(x).sum()), vmap(grad(lambda x: fn(x).sum()))):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: fn(x) * 2, backend="aot_eager")
+        for call in (fn, vmap(fn), grad(lambda x: fn(x).sum()), vmap(grad(lambda x: fn(x).sum())), compiled):
             with self.assertRaisesRegex(RuntimeError, f"object of the operator {qualname} is stale.*defined again"):
                 call(self.x)
 

@@ -121,8 +121,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         define: bool = True,
         compile: str = "fuse",
     ) -> None:
-        # define=False: the operator exists already (autobatch()); only our
-        # kernels are added to it.
+        # define=False: the operator exists already (autobatch()); only our kernels are added to it.
         self._define = define
         source = _user_source()
         try:

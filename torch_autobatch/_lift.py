@@ -42,13 +42,13 @@ once per example (``vmap="loop"``), unless the class has a ``vmap`` rule.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -316,27 +316,21 @@ class LiftedFunction:
                 entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1)
                 self._ops[kinds] = entry
                 # NOTE [A redefined op's old object is stale]: then the op's own call, which raises
-                op._lib._registration_handles.append(RegistrationHandle(_forget_on_destroy(self, op)))
+                op._lib._registration_handles.append(
+                    RegistrationHandle(functools.partial(_forget, weakref.ref(self), op))
+                )
         return entry
 
-    def _forget(self, op: Any) -> None:
-        """The op of some overloads is gone: their calls go through it (and raise) from now on."""
-        with self._lock:
-            for cache in (self._ops, self._by_types):
+
+def _forget(ref: weakref.ref[LiftedFunction], op: Any) -> None:
+    """op (some overloads' op) is gone: their calls go through it, and raise, from now on."""
+    lifted = ref()  # weak: the op's Library lives for the process, and must not keep the callable
+    if lifted is not None:
+        with lifted._lock:
+            for cache in (lifted._ops, lifted._by_types):
                 for key, (overload, returns_1_tuple) in list(cache.items()):
                     if overload is op._opoverload:
                         cache[key] = (op, returns_1_tuple)
-
-
-def _forget_on_destroy(lifted: LiftedFunction, op: Any) -> Callable[[], None]:
-    ref = weakref.ref(lifted)  # the op's Library lives for the process: it must not keep the lifted callable
-
-    def forget() -> None:
-        alive = ref()
-        if alive is not None:
-            alive._forget(op)
-
-    return forget
 
 
 def _torch_apply(klass: FunctionClass, *args: Any, **kwargs: Any) -> Any:
