@@ -372,9 +372,8 @@ def _vmapped(op: KernelSide, n: int, args: tuple[Any, ...]) -> Any:
     outputs unbatched at dim 0) without its argument checks and pytrees: the
     companion checked its arguments, and this runs on every call of a graph.
     """
-    if (
-        op._ab.gone is not None
-    ):  # a graph recorded before op was defined again: NOTE [A redefined op's old object is stale]
+    # A graph recorded before op was defined again: NOTE [A redefined op's old object is stale]
+    if op._ab.gone is not None:
         raise RuntimeError(op._ab.gone)
     op_args, randomness = args[:n], args[n + 1]
     flat = iter(args[n])
