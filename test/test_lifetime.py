@@ -199,24 +199,23 @@ class TestStaleObject(TestCase):
         self._stale(f"{NS}::stale_upgraded", old)
 
     def test_a_lifted_class_whose_overload_is_redefined(self):
-        class Square(torch.autograd.Function):
+        class Cube(torch.autograd.Function):  # legacy: saves on ctx
             @staticmethod
             def forward(ctx, x):
-                ctx.save_for_backward(x)
-                return x * x
+                ctx.x = x
+                return x**3
 
             @staticmethod
             def backward(ctx, g):
-                (x,) = ctx.saved_tensors
-                return 2 * g * x
+                return 3 * g * ctx.x**2
 
-        lifted = torch_autobatch.from_function(Square, name=f"{NS}::stale_lifted")
-        self.assertEqual(lifted(self.x), self.x * self.x)
+        lifted = torch_autobatch.from_function(Cube, name=f"{NS}::stale_lifted")
+        self.assertEqual(lifted(self.x), self.x**3)
         overload = f"{NS}::stale_lifted.Tensor"
         torch_autobatch.custom_op(overload, torch.cos, mutates_args=(), schema="(Tensor x) -> Tensor")
         _churn_the_dispatcher()
         for call in (lifted, vmap(lifted), grad(lambda x: lifted(x).sum())):
-            with self.assertRaisesRegex(RuntimeError, rf"{overload} \(lifting .*Square.apply\) is stale"):
+            with self.assertRaisesRegex(RuntimeError, rf"{overload} \(lifting .*Cube.apply\) is stale"):
                 call(self.x)
 
     def test_a_graph_recorded_before_the_redefinition(self):
