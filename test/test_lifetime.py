@@ -173,6 +173,14 @@ class TestStaleObject(TestCase):
         self.x = torch.randn(4, 3, dtype=torch.float64)
 
     def _stale(self, qualname: str, fn) -> None:
+        rules = {
+            "register_autograd": lambda: fn.register_autograd(lambda ctx, g: g, setup_context=lambda *a: None),
+            "register_fake": lambda: fn.register_fake(torch.empty_like),
+            "register_vmap": lambda: fn.register_vmap(lambda info, dims, x: (x, dims[0])),
+        }
+        for name, register in rules.items():
+            with self.subTest(name), self.assertRaisesRegex(RuntimeError, f"{qualname} is stale"):
+                register()  # it would reach no operator
         torch._dynamo.reset()
         compiled = torch.compile(lambda x: fn(x) * 2, backend="aot_eager")
         for call in (fn, vmap(fn), grad(lambda x: fn(x).sum()), vmap(grad(lambda x: fn(x).sum())), compiled):

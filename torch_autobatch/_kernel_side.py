@@ -150,7 +150,8 @@ class OpExtras:
 # error naming the op and what to call instead: the op's __call__ (so
 # vmap(op), grad(op), ...), a lifted class's cached overloads (_lift.py), and
 # the companion of a graph recorded before the redefinition (_traced_vmap.py).
-# An OpOverload the user keeps (torch.ops.ns.name.default across a
+# Registering a rule on the old object raises the same error (the rule would
+# reach no operator). An OpOverload the user keeps (torch.ops.ns.name.default across a
 # redefinition) is torch's, with torch's behaviour.
 def mark_gone(op: KernelSide) -> None:
     """The op's definition is gone: calls of this object raise from now on."""
@@ -164,6 +165,23 @@ def mark_gone(op: KernelSide) -> None:
         f"returned, or torch.ops.{namespace}.{name}; do not define two operators of one name in one process."
     )
     op._ab.guarded = True
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(op._ab.gone)
+
+    for method in _REGISTRATIONS:  # instance attributes: they shadow the methods on this object only
+        setattr(op, method, refuse)
+
+
+_REGISTRATIONS = (
+    "register_autograd",
+    "register_fake",
+    "register_kernel",
+    "register_vjp",
+    "register_jvp",
+    "register_vmap",
+)
+_REGISTRATIONS += ("register_autocast", "register_torch_dispatch", "set_kernel_enabled")
 
 
 def check_live(op: KernelSide) -> None:
