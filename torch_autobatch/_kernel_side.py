@@ -173,15 +173,17 @@ def mark_gone(op: KernelSide) -> None:
         setattr(op, method, refuse)
 
 
-_REGISTRATIONS = (
+_REGISTRATIONS: tuple[str, ...] = (
     "register_autograd",
     "register_fake",
     "register_kernel",
     "register_vjp",
     "register_jvp",
     "register_vmap",
+    "register_autocast",
+    "register_torch_dispatch",
+    "set_kernel_enabled",
 )
-_REGISTRATIONS += ("register_autocast", "register_torch_dispatch", "set_kernel_enabled")
 
 
 def check_live(op: KernelSide) -> None:
