@@ -196,6 +196,19 @@ class TestStaleObject(TestCase):
             self._stale(qualname, old)
             self.assertEqual(new(self.x), torch.cos(self.x))
 
+    def test_every_batching_path(self):
+        # vmap="loop" and a register_vmap rule (the composite: above): the same error on each path.
+        loop = make_scaled_rule_op(
+            f"{NS}::stale_loop", torch.sin, torch.cos, schema="(Tensor x) -> Tensor", vmap="loop"
+        )
+        ruled = make_scaled_rule_op(f"{NS}::stale_rule", torch.sin, torch.cos, schema="(Tensor x) -> Tensor")
+        ruled.register_vmap(lambda info, dims, x: (torch.sin(x), dims[0]))
+        for old in (loop, ruled):
+            torch_autobatch.custom_op(old._qualname, torch.cos, mutates_args=(), schema="(Tensor x) -> Tensor")
+        _churn_the_dispatcher()
+        for old in (loop, ruled):
+            self._stale(old._qualname, old)
+
     def test_an_upgraded_op_redefined(self):
         @torch.library.custom_op(f"{NS}::stale_upgraded", mutates_args=())
         def old(x: torch.Tensor) -> torch.Tensor:
