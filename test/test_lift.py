@@ -394,9 +394,29 @@ class TestLiftedLegacyFunctions(TestCase):
         self.assertEqual(got, twice_in_x)
         self.assertEqual(vmap(lifted, in_dims=(0, None))(X, w), vmap_loop(plain, (0, None), X, w))
 
-    def test_forward_mode_of_a_numpy_forward_asks_for_a_jvp(self):
-        _, lifted, _, (x,) = self._setup("numpy_forward", 1)
-        with self.assertRaisesRegex(RuntimeError, "Give .*NumpySin a jvp staticmethod"):
+    @parametrize("k", [1, 2])
+    def test_forward_mode_of_a_numpy_forward_is_its_backward_s_transpose(self, k):
+        # NOTE [Forward mode of a lifted class is its backward's transpose]: the backward is torch ops
+        _, lifted, plain, (x,) = self._setup("numpy_forward", k)
+        t = torch.randn_like(x)
+        self.assertEqual(jvp(lifted, (x,), (t,)), jvp(plain, (x,), (t,)))
+        self.assertEqual(jacfwd(lifted)(x), jacrev(plain)(x))
+
+    def test_forward_mode_through_a_numpy_backward_asks_for_a_jvp(self):
+        class NumpyBoth(Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return torch.from_numpy(np.sin(x.numpy()))
+
+            @staticmethod
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                return torch.from_numpy(g.numpy() * np.cos(x.numpy()))
+
+        lifted = torch_autobatch.from_function(NumpyBoth, name=unique_op_name("tab_lift", "npboth"))
+        x = _r(3)
+        with self.assertRaisesRegex(RuntimeError, "Give .*NumpyBoth a jvp staticmethod"):
             jvp(lifted, (x,), (torch.ones_like(x),))
 
     def test_forward_mode_of_a_torch_forward_is_its_derivative(self):
@@ -482,9 +502,14 @@ class TestCompiledLiftedFunctions(TestCase):
             leaf = x.clone().requires_grad_()
             self._compiled(of(f))(leaf).backward()
             self.assertEqual(leaf.grad, grad(of(plain))(x))
-            if case.forward_mode:  # forward mode of a class with no jvp: the derivative of its forward
-                t = torch.randn_like(x)
-                self.assertEqual(self._compiled(lambda x: jvp(of(f), (x,), (t,)))(x), jvp(of(case.plain), (x,), (t,)))
+            # forward mode of a class with no jvp: its backward's transpose (2x here), or an error naming
+            # the class where the backward cannot be differentiated
+            t = torch.randn_like(x)
+            if case.second_order or name == "masked_backward":
+                self.assertEqual(self._compiled(lambda x: jvp(of(f), (x,), (t,)))(x), jvp(of(plain), (x,), (t,)))
+            else:
+                with self.assertRaisesRegex(Exception, f"{cls.__qualname__}.backward is decorated with @once_diff"):
+                    self._compiled(lambda x: jvp(of(f), (x,), (t,)))(x)
 
     @parametrize("how", ["in_place", "from_function"])
     def test_a_torch_forward_compiles_into_one_graph_as_the_op(self, how):

@@ -43,7 +43,14 @@ def run_jvp(
     result = _call_jvp(op._ab.jvp_fn, ctx, tangents, op)
     # The C++ side checks every tangent (NOTE [One gate for every user
     # tangent] in csrc/forward_mode.cpp).
-    return (result,) if op._ab.num_returns == 1 and not isinstance(result, tuple) else result
+    result = (result,) if op._ab.num_returns == 1 and not isinstance(result, tuple) else result
+    marked = ctx.non_differentiable
+    if marked and isinstance(result, tuple):
+        # An output setup_context marked non-differentiable has no tangent,
+        # whatever the jvp returned for it: as in reverse mode, where it has
+        # no gradient (jacfwd == jacrev there too).
+        result = tuple(None if any(o is m for m in marked) else t for o, t in zip(outputs, result))
+    return result
 
 
 def _call_jvp(jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...], op: KernelSide) -> Any:

@@ -58,7 +58,18 @@ from torch.utils import _pytree as pytree
 from . import _lift_compile, _vmap_presets
 from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
 from ._lift_kinds import _UNSUPPORTED, _kind, _kind_token, _restore, _schema_type
-from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, _legacy_jvp_setup_context
+from ._lift_rules import (
+    _apply_marks,
+    _counted,
+    _legacy_backward,
+    _legacy_jvp,
+    _legacy_jvp_setup_context,
+    legacy_transposed_jvp,
+    new_style_transposed_jvp,
+    once_checked,
+    restoring_setup_context,
+    restoring_vmap_rule,
+)
 
 __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
 
@@ -424,19 +435,29 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
         f"{lifted._qualname}.{overload}", kernel, mutates_args=(), schema=schema, vmap=vmap, compile=lifted._compile
     )
     backward = cls.backward if _defined_by_user(cls, "backward") else cls.vjp
+    has_jvp = _defined_by_user(cls, "jvp")
+    # NOTE [Forward mode of a lifted class is its backward's transpose] (_lift_rules.py): no jvp
+    # staticmethod, forward mode from the backward; user functions get tuples back (_restore)
     if lifted._new_style:
-        op.register_autograd(_counted(backward, n_in), setup_context=cls.setup_context)
-        if _defined_by_user(cls, "jvp"):
-            op.register_jvp(cls.jvp, setup_context=cls.setup_context)
+        setup_context = restoring_setup_context(cls.setup_context, kinds)
+        op.register_autograd(_counted(once_checked(backward, cls), n_in), setup_context=setup_context)
+        if has_jvp:
+            op.register_jvp(cls.jvp, setup_context=setup_context)
+        else:
+            jvp, jvp_setup_context = new_style_transposed_jvp(cls, backward, n_in, kinds)
+            op.register_jvp(jvp, setup_context=jvp_setup_context)
     else:
         bwd = _legacy_backward(backward, n_in, cls)
         kernel.extras = op._ab
         op.register_vjp(fwd, bwd)
         op._ab.vjp_fwd_is_function = True  # the function is fwd's output: nothing to check
-        if _defined_by_user(cls, "jvp"):
+        if has_jvp:
             op.register_jvp(_legacy_jvp(cls.jvp), setup_context=_legacy_jvp_setup_context(fwd))
+        else:
+            jvp, jvp_setup_context = legacy_transposed_jvp(cls, backward, fwd, n_in)
+            op.register_jvp(jvp, setup_context=jvp_setup_context)
     if _defined_by_user(cls, "vmap"):
-        op.register_vmap(cls.vmap)
+        op.register_vmap(restoring_vmap_rule(cls.vmap, kinds))
     op._ab.registration.set_cast_grad_dtypes(True)  # as autograd casts a Function's gradients
     return op
 

@@ -9,16 +9,21 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torch.autograd.function import once_differentiable
+
 from . import _C
 from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
+from ._lift_kinds import _restore
 from ._per_example import per_example
 
 _Tensor = torch.Tensor
+_forward_ad = torch.autograd.forward_ad
 FunctionClass = type[torch.autograd.Function]
 
 
 def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass) -> Callable[..., Any]:
     """register_vjp's ``bwd`` for a legacy class: ``backward`` on a ctx rebuilt from the residuals."""
+    backward = once_checked(backward, cls)
 
     def bwd(residuals: Residuals, *grads: Any, needs_input_grad: tuple[bool, ...]) -> Any:
         saved = _only_saved(residuals)  # NOTE [A lifted Function's residuals are flat]
@@ -27,6 +32,8 @@ def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass
             saved, _, attributes = _unpack(residuals)
         try:
             out = backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads)
+        except OnceDifferentiableError:
+            raise
         except (RuntimeError, NotImplementedError) as e:
             if not _may_loop_backward((saved, attributes, grads)):
                 raise
@@ -133,10 +140,324 @@ def _legacy_jvp_setup_context(fwd: Callable[..., Any]) -> Callable[..., None]:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         # The forward's ctx for a legacy jvp: forward runs again, on a
         # recording ctx (forward mode only; reverse mode never pays it).
-        with torch.no_grad():
-            _, residuals = fwd(*inputs)
+        residuals = _forward_below_this_level(fwd, inputs)
         r = _unpack(residuals)
         saved = r.saved_for_forward if r.saved_for_forward is not None else r.saved
         ctx.replay = _ReplayCtx(saved, r.attributes, tuple(isinstance(a, _Tensor) for a in inputs))
+        _mark_as_forward_did(ctx, output, residuals)
 
     return setup_context
+
+
+def _forward_below_this_level(fwd: Callable[..., Any], inputs: tuple[Any, ...]) -> Residuals:
+    """A legacy forward's residuals for a jvp, computed one level down: they carry no tangent of this level.
+
+    The residuals are the jvp's constants at its own level (a forward that
+    leaves torch, through numpy, could not even run on this level's
+    wrappers); levels outside keep theirs, so they still differentiate what
+    the jvp computes (jvp(jvp), hessian). The level is popped inside the
+    ``try`` that pushes it back, so an exception anywhere leaves the stack
+    as it was.
+    """
+    functorch = torch._C._functorch
+    interpreter = functorch.peek_interpreter_stack()
+    if interpreter is None:
+        with torch.no_grad():
+            return fwd(*inputs)[1]
+    level = interpreter.level()
+    inputs = pytree.tree_map_only(_Tensor, lambda t: functorch._unwrap_for_grad(t, level), inputs)
+    popped: list[Any] = []
+    try:
+        popped.append(functorch.pop_dynamic_layer_stack())
+        with torch.no_grad():
+            return fwd(*inputs)[1]
+    finally:
+        if popped:
+            functorch.push_dynamic_layer_stack(popped.pop())
+
+
+def _mark_as_forward_did(ctx: Any, output: Any, residuals: Residuals) -> None:
+    """The outputs the legacy forward marked non-differentiable, marked on the jvp's ctx (no tangent: run_jvp)."""
+    flat = residuals[0] if isinstance(residuals[0], tuple) else residuals
+    mask = flat[2]
+    if mask:
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if mask >> k & 1))
+
+
+# ------------------------------------------------------- once_differentiable
+# NOTE [once_differentiable governs every transform]
+# A backward decorated with ``@once_differentiable`` runs under no_grad: its
+# result has no derivative. torch's own class makes that an error lazily, and
+# only at the base and only when a *gradient* requires grad (a DelayedError
+# node); under torch.func (where its check sees no ``requires_grad``) and
+# where only the saved tensors are differentiated, the second derivative is
+# silently zero (or, in forward mode, which no_grad does not stop, the
+# derivative of torch ops the class declared final). A lifted class's
+# declaration governs every path instead: its backward's result is
+# differentiated again when a tensor it receives (a residual, rebuilt with
+# history for a second derivative, or a gradient) is tracked by a
+# differentiation other than the one running the backward: autograd at the
+# base (requires grad: a DelayedError naming the class, raised if that
+# derivative is ever taken, as torch does), a torch.func grad or jvp level
+# that is not the backward's own, or a forward-mode dual tangent (both an
+# error now, naming the class: torch.func has no lazy error node, and a jvp
+# level's derivative is taken as the backward runs). vmap levels batch, they
+# do not differentiate. Forward mode derived from such a backward (NOTE
+# [Forward mode of a lifted class is its backward's transpose]) is refused too.
+class OnceDifferentiableError(RuntimeError):
+    """A second derivative through a lifted class whose backward is ``@once_differentiable``."""
+
+
+_ONCE_CODE = once_differentiable(lambda ctx: None).__code__  # type: ignore[arg-type]
+
+
+def is_once_differentiable(fn: Any) -> bool:
+    """Is ``fn`` torch's ``once_differentiable`` wrapper (of a staticmethod's function)?"""
+    return getattr(fn, "__code__", None) is _ONCE_CODE and hasattr(fn, "__wrapped__")
+
+
+def _once_message(cls: FunctionClass, how: str) -> str:
+    return (
+        f"torch_autobatch: {cls.__qualname__}.backward is decorated with @once_differentiable, so its "
+        f"result cannot be differentiated, and {how}. Take first derivatives only (grad, vjp, jacrev, "
+        f"vmap(grad), one .backward()), or remove @once_differentiable from a backward made of "
+        f"differentiable torch ops."
+    )
+
+
+_SECOND = "this computation differentiates it again (a second derivative: grad(grad), jacrev(jacrev), hessian, " \
+    "jacfwd(jacrev), a .backward(create_graph=True) differentiated again)"
+
+
+def _tracked(leaves: list[Any]) -> str:
+    """How a tensor among ``leaves`` is tracked by a differentiation other than the running backward's.
+
+    '' if none; 'base' for autograd at the base (requires grad); 'level'
+    for a live torch.func grad/jvp level other than the backward's own, or a
+    forward-mode tangent.
+    """
+    functorch = torch._C._functorch
+    own = _C._backward_level()
+    live = None
+    base = False
+    for t in leaves:
+        if not isinstance(t, _Tensor):
+            continue
+        while functorch.is_functorch_wrapped_tensor(t):
+            if not functorch.is_batchedtensor(t):
+                level = functorch.maybe_get_level(t)
+                if level != own:
+                    if live is None:
+                        live = {i.level() for i in functorch.get_interpreter_stack() or ()}
+                    if level in live:
+                        return "level"
+            t = functorch.get_unwrapped(t)
+        if t.requires_grad:
+            base = True
+        if _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(t).tangent is not None:
+            return "level"
+    return "base" if base else ""
+
+
+def once_checked(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any]:
+    """``backward``, with a ``@once_differentiable`` declaration enforced on every path (NOTE above)."""
+    return _once(backward, cls) if is_once_differentiable(backward) else backward
+
+
+def _once(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any]:
+    """``backward`` (once_differentiable) with its declaration enforced on every path (NOTE above)."""
+    inner = backward.__wrapped__  # type: ignore[attr-defined]
+
+    def call(ctx: Any, *grads: Any) -> Any:
+        with torch.no_grad():
+            out = inner(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return out
+        tracked = _tracked(list(ctx.saved_tensors) + [v for v in vars(ctx).values() if isinstance(v, _Tensor)]
+                           + list(grads))
+        if tracked == "level":
+            raise OnceDifferentiableError(_once_message(cls, _SECOND))
+        if tracked != "base":
+            return out
+        outs = out if isinstance(out, tuple) else (out,)
+        error = torch._C._functions.DelayedError(_once_message(cls, _SECOND).encode(), len(outs))
+
+        def fake_requires_grad(v: Any) -> Any:
+            if isinstance(v, _Tensor):
+                v = v.detach()
+                v.requires_grad = True
+            return v
+
+        delayed = error(*[fake_requires_grad(v) for v in outs])
+        return delayed if isinstance(out, tuple) else delayed[0] if isinstance(delayed, tuple) else delayed
+
+    call.__qualname__ = getattr(inner, "__qualname__", "backward")
+    return call
+
+
+# ------------------------------------------------------------ transposed jvp
+# NOTE [Forward mode of a lifted class is its backward's transpose]
+# A class's backward is what the class declares its derivative to be, and
+# real libraries ship backwards that are deliberately not their forward's
+# derivative (gradient scaling, straight-through estimators, an identity
+# forward with a doubled backward). Forward mode derived from the forward
+# would then disagree with reverse mode (jacfwd != jacrev, hessian !=
+# jacrev(jacrev)). A class with no jvp staticmethod gets its forward mode
+# from its backward instead: the backward is linear in its cotangent g, so
+# J t = d/dg <bwd(g), t> (the gradient, with respect to g, of the backward's
+# inner product with the input tangents), taken with torch.func.grad at
+# g = 0 inside the jvp rule. jacfwd == jacrev and hessian == jacrev(jacrev)
+# by construction, and transforms outside differentiate the backward's torch
+# ops, as they do in reverse mode. A backward that cannot be differentiated
+# (@once_differentiable, one that leaves torch) is an error naming the class
+# and the fix: a jvp staticmethod. An output marked non-differentiable gets
+# no tangent, and the cotangent of an integer output is zeros (as autograd
+# materializes it) or None (set_materialize_grads(False)).
+def _is_float(t: Any) -> bool:
+    return isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def transpose_backward(
+    cls: FunctionClass,
+    pullback: Callable[..., Any],
+    outputs: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    non_differentiable: tuple[bool, ...],
+    materialize: bool,
+) -> tuple[Any, ...]:
+    """Output tangents J t from ``pullback(*output_cotangents)`` (the class's backward): its transpose."""
+    where = [k for k, o in enumerate(outputs) if _is_float(o) and not non_differentiable[k]]
+    if not where or all(t is None for t in tangents):
+        return tuple(None for _ in outputs)
+
+    def fixed(k: int, o: Any) -> Any:
+        return torch.zeros_like(o) if materialize and isinstance(o, _Tensor) else None
+
+    def inner(*gs: Any) -> _Tensor:
+        full = [fixed(k, o) for k, o in enumerate(outputs)]
+        for k, g in zip(where, gs):
+            full[k] = g
+        grads = pullback(*full)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        total = gs[0].real.sum() * 0 if gs[0].is_complex() else gs[0].sum() * 0
+        for g, t in zip(grads, tangents):
+            if isinstance(g, _Tensor) and isinstance(t, _Tensor):
+                total = total + ((g.conj() * t).real.sum() if g.is_complex() or t.is_complex() else (g * t).sum())
+        return total
+
+    seeds = tuple(torch.zeros_like(outputs[k]) for k in where)
+    try:
+        got = torch.func.grad(inner, argnums=tuple(range(len(where))))(*seeds)
+    except OnceDifferentiableError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        raise type(e)(
+            f"{e}\ntorch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
+            f"staticmethod, so its forward mode is the transpose of its backward (NOTE [Forward mode of a "
+            f"lifted class is its backward's transpose]), which needs the backward to be differentiable "
+            f"with torch.func, and that failed (above). Give {cls.__qualname__} a jvp staticmethod "
+            f"(jvp(ctx, *input_tangents))."
+        ) from e
+    out: list[Any] = [None] * len(outputs)
+    for k, g in zip(where, got):
+        # (a tangent of the output's dtype: the cotangent seeds had it)
+        out[k] = g
+    return tuple(out)
+
+
+def _marked(ctx: Any, outs: tuple[Any, ...]) -> tuple[bool, ...]:
+    """Per output: did ``ctx.mark_non_differentiable`` name it?"""
+    marked = ctx.non_differentiable or ()
+    return tuple(any(o is m for m in marked) for o in outs)
+
+
+def _refuse_once(cls: FunctionClass) -> None:
+    raise OnceDifferentiableError(
+        _once_message(
+            cls,
+            "forward-mode AD (jvp, jacfwd, hessian) of a class with no jvp staticmethod is the transpose of "
+            "its backward, which differentiates it. Give the class a jvp staticmethod (jvp(ctx, *input_tangents)) "
+            "for forward mode",
+        )
+    )
+
+
+def legacy_transposed_jvp(cls: FunctionClass, backward: Callable[..., Any], fwd: Callable[..., Any], n_in: int) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """register_jvp's (jvp, setup_context) for a legacy class with no jvp: its backward, transposed."""
+    once = is_once_differentiable(backward)
+    bwd = _legacy_backward(backward, n_in, cls)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        if once:
+            _refuse_once(cls)
+        # (forward mode only: reverse mode never pays this second forward)
+        residuals = _forward_below_this_level(fwd, inputs)
+        _mark_as_forward_did(ctx, output, residuals)
+        flat = residuals[0] if isinstance(residuals[0], tuple) else residuals
+        ctx.transposed = (residuals, output if isinstance(output, tuple) else (output,), bool(flat[3]))
+
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        residuals, outs, materialize = ctx.transposed
+        needs = tuple(isinstance(t, _Tensor) for t in tangents)
+        result = transpose_backward(
+            cls,
+            lambda *gs: bwd(residuals, *gs, needs_input_grad=needs),
+            outs,
+            tangents,
+            _marked(ctx, outs),
+            materialize,
+        )
+        return result if len(outs) > 1 else result[0]
+
+    jvp.__qualname__ = f"{cls.__qualname__}.backward (transposed)"
+    return jvp, setup_context
+
+
+def new_style_transposed_jvp(cls: FunctionClass, backward: Callable[..., Any], n_in: int, kinds: tuple[Any, ...]) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """register_jvp's (jvp, setup_context) for a class with setup_context and no jvp: its backward, transposed."""
+    once = is_once_differentiable(backward)
+    counted = _counted(once_checked(backward, cls), n_in)
+    user_setup = restoring_setup_context(cls.setup_context, kinds)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        if once:
+            _refuse_once(cls)
+        user_setup(ctx, inputs, output)
+        ctx.transposed_outputs = output if isinstance(output, tuple) else (output,)
+
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        outs = ctx.transposed_outputs
+        ctx.needs_input_grad = tuple(isinstance(t, _Tensor) for t in tangents)
+        result = transpose_backward(
+            cls, lambda *gs: counted(ctx, *gs), outs, tangents, _marked(ctx, outs), ctx.materialize_grads
+        )
+        return result if len(outs) > 1 else result[0]
+
+    jvp.__qualname__ = f"{cls.__qualname__}.backward (transposed)"
+    return jvp, setup_context
+
+
+# ---------------------------------------------------- arguments as passed
+def restoring_setup_context(setup_context: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
+    """``setup_context`` given the inputs as apply was (a tuple again where the schema made a list)."""
+    if all(isinstance(k, str) for k in kinds):
+        return setup_context
+
+    def restored(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+        return setup_context(ctx, _restore(kinds, tuple(inputs)), output)
+
+    restored.__qualname__ = getattr(setup_context, "__qualname__", "setup_context")
+    return restored
+
+
+def restoring_vmap_rule(rule: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
+    """A vmap staticmethod given the arguments as apply was (a tuple again where the schema made a list)."""
+    if all(isinstance(k, str) for k in kinds):
+        return rule
+
+    def restored(info: Any, in_dims: Any, *args: Any) -> Any:
+        return rule(info, in_dims, *_restore(kinds, args))
+
+    restored.__qualname__ = getattr(rule, "__qualname__", "vmap")
+    return restored
