@@ -7,7 +7,10 @@ TypeError; ours names the op, the rule and where it is defined, what was
 expected and what came back, on every path the rule runs. Messages are
 pinned with ``assertExpectedInline`` (``EXPECTTEST_ACCEPT=1 python
 test/test_vmap_rule_errors.py`` refreshes them); the rule's ``file:line``
-is checked exactly, then written ``<file>:<line>`` in the pinned text.
+is checked exactly, then written ``<file>:<line>`` in the pinned text. An
+output whose structure is not the op's schema returns (two outputs for an op
+with one, one for two, a tensor for ``Tensor[]``) is pinned with
+``assertRaisesRegex``, on those paths and ``vmap(jvp)``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,30 @@ def pair_second_out_dim_a_str(info, in_dims, x):
     return (2 * x, 3 * x), (in_dims[0], "0")
 
 
+def two_outputs_for_one(info, in_dims, x):
+    return (2 * x, 3 * x), (in_dims[0], in_dims[0])
+
+
+def two_outputs_one_out_dim(info, in_dims, x):
+    return (2 * x, 3 * x), in_dims[0]
+
+
+def one_output_for_two(info, in_dims, x):
+    return 2 * x, in_dims[0]
+
+
+def three_outputs_for_two(info, in_dims, x):
+    return (2 * x, 3 * x, 4 * x), in_dims[0]
+
+
+def a_list_for_one(info, in_dims, x):
+    return [2 * x], in_dims[0]
+
+
+def a_tensor_for_a_list(info, in_dims, x):
+    return 2 * x, in_dims[0]
+
+
 def raises_its_own(info, in_dims, x):
     raise MyError("the rule's own words")
 
@@ -96,14 +123,34 @@ PATHS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+@torch_autobatch.custom_op(f"{NS}::parts", mutates_args=())
+def parts(x: torch.Tensor) -> list[torch.Tensor]:
+    return [2 * x, 3 * x]
+
+
+parts.register_autograd(lambda ctx, grads: 2 * grads[0] + 3 * grads[1])
+
+
+def _tangent(op: Any, p: torch.Tensor, d: torch.Tensor) -> Any:
+    return torch.func.jvp(op, (p,), (d,))[1]
+
+
+#: The paths of the structure checks: the above, and vmap of jvp (tangents derived from the rule).
+STRUCTURE_PATHS: dict[str, Callable[[Any], Any]] = {
+    **PATHS,
+    "vmap_jvp": lambda op: vmap(lambda p, d: _first(_tangent(op, p, d)))(_x(4, 3), _x(4, 3)),
+}
+
+
 def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class TestVmapRuleReturn(TestCase):
     def tearDown(self) -> None:
         double.register_vmap(lambda info, in_dims, x: (2 * x, in_dims[0]))
         pair.register_vmap(lambda info, in_dims, x: ((2 * x, 3 * x), in_dims[0]))
+        parts.register_vmap(lambda info, in_dims, x: ([2 * x, 3 * x], in_dims[0]))
         super().tearDown()
 
     def _message(self, op, rule, error: type[Exception]) -> str:
@@ -167,6 +214,66 @@ class TestVmapRuleReturn(TestCase):
             self._message(double, out_dim_not_the_batch, RuntimeError),
             """torch_autobatch: the register_vmap rule of tab_vmap_rule::double (out_dim_not_the_batch at <file>:<line>) returned out_dim 0 for the output, a Tensor of shape (1, 3), whose dimension 0 has size 1, not the vmap's batch size 4; expected (output, out_dims): out_dims an int (the dimension that holds the batch) or None (no batch) per output, in the output's structure (one for the whole output, or e.g. (0, None) for two outputs). Return the dimension that holds the batch (info.batch_size = 4), or None for an output that has none.""",
         )
+
+    def _structure(self, op, rule, output: str, declared: str, expected: str) -> None:
+        """The output's structure is not the op's: one RuntimeError on every path, naming the op and the rule."""
+        op.register_vmap(rule)
+        where = f"{rule.__code__.co_filename}:{rule.__code__.co_firstlineno}"
+        pattern = (
+            f"^torch_autobatch: the register_vmap rule of {re.escape(op._qualname)} "
+            f"\\({re.escape(rule.__qualname__)} at {re.escape(where)}\\) returned as its output "
+            f"{re.escape(output)}, but {re.escape(op._qualname)} returns {re.escape(declared)}, so the output "
+            f"must be {re.escape(expected)}\\. Give the output the op's structure: return "
+        )
+        messages = set()
+        for path, run in STRUCTURE_PATHS.items():
+            with self.subTest(path=path):
+                with self.assertRaisesRegex(RuntimeError, pattern) as cm:
+                    run(op)
+                self.assertIs(type(cm.exception), RuntimeError)
+                self.assertNotIn("Unable to cast", str(cm.exception))
+                messages.add(str(cm.exception))
+                self.assertIsNone(torch._C._functorch.maybe_current_level())
+        self.assertEqual(len(messages), 1, messages)
+
+    def test_two_outputs_for_an_op_with_one(self):
+        # Was: "Unable to cast (BatchedTensor(...), BatchedTensor(...)) to Tensor", naming neither.
+        two = "a tuple of 2 (Tensor of shape (4, 3), Tensor of shape (4, 3))"
+        self._structure(double, two_outputs_for_one, two, "Tensor", "a Tensor")
+        self._structure(double, two_outputs_one_out_dim, two, "Tensor", "a Tensor")
+        self._structure(double, a_list_for_one, "a list of 1 (Tensor of shape (4, 3))", "Tensor", "a Tensor")
+
+    def test_one_output_for_an_op_with_two(self):
+        # Was: the one tensor split along its first dim into the op's outputs.
+        self._structure(
+            pair,
+            one_output_for_two,
+            "a Tensor of shape (4, 3)",
+            "(Tensor, Tensor)",
+            "a tuple of 2 (a Tensor, a Tensor)",
+        )
+        self._structure(
+            pair,
+            three_outputs_for_two,
+            "a tuple of 3 (Tensor of shape (4, 3), Tensor of shape (4, 3), Tensor of shape (4, 3))",
+            "(Tensor, Tensor)",
+            "a tuple of 2 (a Tensor, a Tensor)",
+        )
+
+    def test_a_tensor_for_a_list_return(self):
+        self._structure(parts, a_tensor_for_a_list, "a Tensor of shape (4, 3)", "Tensor[]", "a list of Tensors")
+
+    def test_the_op_s_structure_still_runs(self):
+        x = _x(4, 3)
+        for path, run in STRUCTURE_PATHS.items():
+            with self.subTest(path=path):
+                parts.register_vmap(lambda info, in_dims, x: ([2 * x, 3 * x], in_dims[0]))
+                run(parts)
+                parts.register_vmap(lambda info, in_dims, x: ((2 * x, 3 * x), in_dims[0]))  # a tuple for a list
+                run(parts)
+                pair.register_vmap(lambda info, in_dims, x: ([2 * x, 3 * x], in_dims[0]))  # a list for a tuple
+                run(pair)
+        self.assertEqual(vmap(parts)(x), [2 * x, 3 * x])
 
     def test_the_rule_s_own_exception_is_unchanged(self):
         double.register_vmap(raises_its_own)

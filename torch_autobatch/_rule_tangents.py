@@ -27,8 +27,6 @@ error naming the op and ``register_jvp``, never a tangent from the function.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -40,6 +38,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.utils import _pytree as pytree
 
 from ._vmap_check import checked_rule
+from ._vmap_presets import Popped, restore
 
 if TYPE_CHECKING:
     from ._kernel_side import KernelSide
@@ -164,19 +163,6 @@ def _rebuild(t: torch.Tensor, layers: Layers) -> torch.Tensor:
     return t
 
 
-@contextlib.contextmanager
-def _below(level: int) -> Iterator[None]:
-    """The levels from ``level`` up taken off the stack while the block runs (restored on every exit)."""
-    popped = []
-    try:
-        while (top := _ft.peek_interpreter_stack()) is not None and top.level() >= level:
-            popped.append(_ft.pop_dynamic_layer_stack())
-        yield
-    finally:
-        while popped:
-            _ft.push_dynamic_layer_stack(popped.pop())
-
-
 def _front(t: torch.Tensor, level: int, batch_size: int, between: list[int]) -> torch.Tensor:
     """``t`` without its batch dim of vmap ``level``, which goes first in it (expanded if it has none).
 
@@ -185,13 +171,21 @@ def _front(t: torch.Tensor, level: int, batch_size: int, between: list[int]) -> 
     value, layers = _peel(t, [*between, level])
     here = [p for lv, p in layers if lv == level]
     rest = [(lv, p) for lv, p in layers if lv != level]
-    with _below(level):
+    # The levels from ``level`` up are off the stack for the view ops, and
+    # restored on every exit, by one C call (NOTE [Popping levels,
+    # interruptibly] in _vmap_presets.py: not a contextmanager, whose exit
+    # runs Python before the restore).
+    popped = Popped()
+    try:
+        popped.above(level - 1)
         if here:
             value = value.movedim(here[0], 0)
             rest = [(lv, p + 1 if p < here[0] else p) for lv, p in rest]
         else:
             value = value.unsqueeze(0).expand(batch_size, *value.shape)
             rest = [(lv, p + 1) for lv, p in rest]
+    finally:
+        restore(popped.back)
     return _rebuild(value, rest)
 
 

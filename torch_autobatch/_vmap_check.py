@@ -13,10 +13,17 @@ checks the return first, on every path the rule runs (``vmap``, nested
 wrong return is an error of the type torch raises for it (RuntimeError for
 the structure, TypeError for an out_dim's type, IndexError for its range),
 naming the op (``ns::name``), the rule (its ``__qualname__`` and
-``file:line``), what was expected and what came back. An exception the rule
-raises itself passes through untouched. An output that is one of the rule's
-input tensors is exempt from the range and size checks: torch's helper
-returns the batched input for it and ignores its out_dim.
+``file:line``), what was expected and what came back. The output's structure
+is checked against the op's schema returns (:func:`_check_returns`): one
+Tensor, a list of tensors (``Tensor[]``), or a tuple with one value per
+return; torch's helper takes any structure and, wrapped back, a wrong one
+failed in the op's kernel as ``Unable to cast (BatchedTensor(...), ...) to
+Tensor``, or, for an op with several returns given one tensor, was split
+along its first dim. An exception the rule raises itself passes through
+untouched. An output that is one of the rule's input tensors is exempt
+from the range and size checks: torch's helper returns the batched input
+for it and ignores its out_dim. Also ``vmap(jvp)`` runs the rule through
+this check (NOTE [Derived tangents differentiate the vmap rule]).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ def checked_rule(
     result = rule(info, in_dims, *args, **kwargs)
     if type(result) is tuple and len(result) == 2:
         output, out_dims = result
+        _check_returns(qualname, rule, output)
         if type(out_dims) is int and isinstance(output, torch.Tensor):  # the common case, in short
             _check_dim(qualname, rule, info, args, output, out_dims, None)
         else:
@@ -50,6 +58,82 @@ def checked_rule(
         f"{_whose(qualname, rule)} returned {_describe(result)}; {_EXPECTED}. "
         f"Return a pair: `return output, out_dims`, e.g. `return result, 0` for a result batched along dim 0."
     )
+
+
+def _schema(qualname: str) -> Any:
+    """The op's schema (``ns::name`` or ``ns::name.overload``); None where it is not registered."""
+    name, _, overload = qualname.partition(".")
+    try:
+        return torch._C._get_schema(name, overload)
+    except RuntimeError:  # gone (a stale op): its kernel refuses the call itself
+        return None
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Can ``value`` be a return of type ``kind`` (a schema return's type)?"""
+    optional = isinstance(kind, torch.OptionalType)
+    if optional:
+        if value is None:
+            return True
+        kind = kind.getElementType()
+    if isinstance(kind, torch.TensorType):
+        return isinstance(value, torch.Tensor)
+    if isinstance(kind, torch.ListType):
+        element = kind.getElementType()
+        if isinstance(element, torch.OptionalType):
+            element = element.getElementType()
+            if not isinstance(element, torch.TensorType):
+                return True
+            return isinstance(value, (list, tuple)) and all(v is None or isinstance(v, torch.Tensor) for v in value)
+        if not isinstance(element, torch.TensorType):
+            return True
+        return isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
+    return not isinstance(value, torch.Tensor)  # a number, a bool: never a tensor
+
+
+def _check_returns(qualname: str, rule: Callable[..., Any], output: Any) -> None:
+    """The rule's output has the structure of the op's returns (NOTE [A vmap rule's return is checked])."""
+    schema = _schema(qualname)
+    if schema is None:
+        return
+    returns = schema.returns
+    if len(returns) == 1:
+        kind = returns[0].type
+        if isinstance(output, torch.Tensor) and isinstance(kind, torch.TensorType):  # the common case, in short
+            return
+        if _fits(output, kind):
+            return
+    elif type(output) in (tuple, list) and len(output) == len(returns):
+        if all(_fits(o, r.type) for o, r in zip(output, returns)):
+            return
+    declared = str(schema).rpartition(") -> ")[2]
+    if len(returns) == 1:
+        expected = _expected(returns[0].type)
+        example = "[a, b], 0" if expected.startswith("a list") else "result, 0"
+        fix = f"return {expected} as the output, e.g. `return {example}`"
+    else:
+        expected = f"a tuple of {len(returns)} ({', '.join(_expected(r.type) for r in returns)})"
+        fix = "return a tuple with one value per return as the output, e.g. `return (a, b), (0, 0)`"
+    raise RuntimeError(
+        f"{_whose(qualname, rule)} returned as its output {_describe(output)}, but {qualname} returns "
+        f"{declared}, so the output must be {expected}. Give the output the op's structure: {fix}."
+    )
+
+
+def _expected(kind: Any) -> str:
+    """A schema return's type in words, for an error."""
+    if isinstance(kind, torch.OptionalType):
+        return f"{_expected(kind.getElementType())} or None"
+    if isinstance(kind, torch.TensorType):
+        return "a Tensor"
+    if isinstance(kind, torch.ListType):
+        element = kind.getElementType()
+        optional = isinstance(element, torch.OptionalType)
+        if optional:
+            element = element.getElementType()
+        if isinstance(element, torch.TensorType):
+            return f"a list of Tensors{' or None' if optional else ''}"
+    return f"a {kind.annotation_str}"
 
 
 def _whose(qualname: str, rule: Callable[..., Any]) -> str:

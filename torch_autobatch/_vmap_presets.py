@@ -69,6 +69,8 @@ level** with plain tensors:
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -123,6 +125,53 @@ def is_preset(vmap: str) -> bool:
     return vmap in PRESETS
 
 
+# --------------------------------------------------- levels taken off the stack
+# NOTE [Popping levels, interruptibly]
+# Running user code one level down (a preset's call, a rule's tangents) pops
+# functorch's dynamic layers and must push exactly those back on every exit:
+# a layer lost, or pushed twice, makes functorch's C++ guards (the vmap's
+# exit, DynamicLayer.cpp's SaveLocalDispatchKeySet) throw from a destructor
+# while unwinding, which aborts the process. An exception can land at any
+# point Python checks for one, not only where code raises: a KeyboardInterrupt
+# (any signal handler) arrives after a C call returns to Python code, at a
+# function's entry, at a loop's back edge. ``layer = pop(); try: ...
+# finally: push(layer)`` loses the layer when it lands between the pop and
+# the ``try``, and so does ``try: layer = pop()`` (between the call's return
+# and the store), or a ``finally`` whose restore calls a Python function
+# first. So a :class:`Popped` is made before the ``try`` (nothing popped yet);
+# inside it, each layer is popped and stored by one C call (``list.extend``
+# of a ``starmap`` of the pop: no Python code runs between the two); and the
+# ``finally`` is one C call, ``restore(popped.back)``, that pushes back what
+# was stored, last popped first, and nothing else (an iterator built with the
+# ``Popped``, consumed in C). The exception then propagates with the stack as
+# the op found it.
+_END = object()
+_ONCE = ((),)
+
+#: ``finally: restore(popped.back)``: pushes back what a :class:`Popped` took, in one C call.
+restore: Callable[[Any], None] = collections.deque(maxlen=0).extend
+
+
+class Popped:
+    """Dynamic layers taken off the stack, for :data:`restore` (NOTE [Popping levels, interruptibly])."""
+
+    __slots__ = ("_layers", "back")
+
+    def __init__(self) -> None:
+        self._layers: list[Any] = [_END]
+        # Consumed once, in C, by restore: pushes each stored layer, last popped first.
+        self.back = map(_ft.push_dynamic_layer_stack, iter(self._layers.pop, _END))
+
+    def above(self, floor: int) -> None:
+        """Pops every level above ``floor``."""
+        n = sum(1 for i in _ft.get_interpreter_stack() or () if i.level() > floor)
+        self._layers.extend(itertools.starmap(_ft.pop_dynamic_layer_stack, itertools.repeat((), n)))
+
+    def one(self) -> None:
+        """Pops the top level (the interpreter's ``lower()``)."""
+        self._layers.extend(itertools.starmap(_ft.pop_dynamic_layer_stack, _ONCE))
+
+
 # ------------------------------------------------------------------ forward
 # An op's values are flat: a Tensor (or None, a scalar), or a list of them
 # (Tensor[], Tensor?[]); mapping over them needs no pytree (each call costs
@@ -156,8 +205,9 @@ def run_forward(op: KernelSide, positional: tuple[Any, ...], kwargs: dict[str, A
         t = t.unsqueeze(0)
         return t.expand(batch_size, *t.shape[1:]) if preset == "broadcast_all" else t
 
-    layer = _ft.pop_dynamic_layer_stack()  # one level down (the interpreter's lower())
+    popped = Popped()  # NOTE [Popping levels, interruptibly]
     try:
+        popped.one()  # one level down (the interpreter's lower())
         args = _map(front, positional)
         kw = dict(zip(kwargs, _map(front, tuple(kwargs.values())))) if kwargs else kwargs
         out = op._opoverload(*args, **kw)
@@ -171,7 +221,7 @@ def run_forward(op: KernelSide, positional: tuple[Any, ...], kwargs: dict[str, A
 
         rebuilt = _map(rebuild, outs)
     finally:
-        _ft.push_dynamic_layer_stack(layer)
+        restore(popped.back)
 
     def wrap(v: Any) -> Any:
         o, batched = v
@@ -273,7 +323,7 @@ class _Call:
     """One call of a user function under a preset: the peeled levels, and how to rebuild results.
 
     ``peel`` (on the stack), then ``physical`` and the call and ``rebuild``
-    below the peeled levels (``pop`` ... ``push``), then ``wrap`` (on the stack).
+    below the peeled levels (``pop`` ... ``restore(call.popped.back)``), then ``wrap`` (on the stack).
     """
 
     def __init__(self, op: KernelSide, preset: str, own_level: Optional[int]) -> None:
@@ -283,7 +333,7 @@ class _Call:
         self.grad_levels: list[int] = []  # TensorWrappers peeled (the own level)
         self.floor = 0  # the highest level kept on some argument: levels above it are popped
         self._peeled: list[tuple[Any, Optional[Layers]]] = []
-        self._popped: list[Any] = []
+        self.popped = Popped()  # ``pop`` inside a try, then ``finally: restore(call.popped.back)``
 
     def peel(self, leaves: Sequence[Any]) -> None:
         peeled: list[tuple[Any, Optional[Layers]]] = [
@@ -319,13 +369,11 @@ class _Call:
             self.batch_sizes = [sizes[level] for level in self.vmap_levels]
 
     def pop(self) -> None:
-        """Takes the levels above ``floor`` off the stack (``push`` puts them back)."""
-        while (top := _ft.peek_interpreter_stack()) is not None and top.level() > self.floor:
-            self._popped.append(_ft.pop_dynamic_layer_stack())
+        """Takes the levels above ``floor`` off the stack (``restore(self.popped.back)`` puts them back).
 
-    def push(self) -> None:
-        while self._popped:
-            _ft.push_dynamic_layer_stack(self._popped.pop())
+        Called inside the ``try`` whose ``finally`` restores (NOTE [Popping levels, interruptibly]).
+        """
+        self.popped.above(self.floor)
 
     def physical(self) -> list[Any]:
         """Each peeled tensor with one leading dim per vmap level (B, or 1 / expanded)."""
@@ -394,8 +442,8 @@ def _run(
     n = len(saved)
     arg_leaves = _leaves(args)
     call.peel([*saved, *arg_leaves])
-    call.pop()
     try:
+        call.pop()
         physical = call.physical()
         if not torch.is_grad_enabled():
             # Nothing this call computes is recorded (a backward without
@@ -410,7 +458,7 @@ def _run(
         index = iter(range(1 << 30))
         rebuilt = _map(lambda o: call.rebuild(what, next(index), o), results)
     finally:
-        call.push()
+        restore(call.popped.back)
 
     def wrap(v: Any) -> Any:
         return call.wrap(*v) if type(v) is tuple else v
@@ -441,8 +489,8 @@ def vjp_residuals(op: KernelSide, inputs: tuple[Any, ...], answered: Optional[tu
     call.peel(_leaves(inputs))
     if answered is not None and not call.vmap_levels:
         return answered[0]
-    call.pop()
     try:
+        call.pop()
         if answered is not None:
             (residuals,) = answered
         else:
@@ -453,7 +501,7 @@ def vjp_residuals(op: KernelSide, inputs: tuple[Any, ...], answered: Optional[tu
         leaves, spec = pytree.tree_flatten(residuals)
         rebuilt = [call.rebuild("fwd", i, r) for i, r in enumerate(leaves)]
     finally:
-        call.push()
+        restore(call.popped.back)
     return pytree.tree_unflatten([call.wrap(r, b, grad_levels=False) for r, b in rebuilt], spec)
 
 
