@@ -140,19 +140,24 @@ def _check_jvp_backward(case: _Case, exhaustive: bool) -> None:
     _forward_mode(case)
     grads = case.eager_vjp()
     names = case.diff_names()
+    what = "forward vs reverse mode: <J v, u> (jvp) vs <v, J^T u> (backward)"
+    if not case.op.registered_jvp:
+        # NOTE [Forward mode of a lifted class is its backward's transpose] covers lifted classes; an
+        # op's forward mode without register_jvp is its function's derivative, which the backward may
+        # deliberately not be
+        name = case.op.qualname.split("::")[-1]
+        what += (
+            f". The op has no register_jvp, so its forward mode is derived from its function; a backward "
+            f"that is not the function's derivative (gradient scaling, a straight-through estimator) makes "
+            f"the two disagree. Register a jvp that matches the backward ({name}.register_jvp(jvp)), or, if "
+            f"the backward is wrong, fix it"
+        )
     for j, v in enumerate(case.v):
         tangents: list[Optional[torch.Tensor]] = [None] * len(case.diff)
         tangents[j] = v
         forward = case.dot_u(case.eager_jvp(tangents))
         reverse = float((grads[j].double() * v.double()).sum())
-        _compare_scalar(
-            forward,
-            reverse,
-            names[j],
-            case.atol,
-            case.rtol,
-            "forward vs reverse mode: <J v, u> (jvp) vs <v, J^T u> (backward)",
-        )
+        _compare_scalar(forward, reverse, names[j], case.atol, case.rtol, what)
 
 
 def _check_double_backward(case: _Case, exhaustive: bool) -> None:
