@@ -230,17 +230,17 @@ _SECOND = "this computation differentiates it again (a second derivative: grad(g
     "jacfwd(jacrev), a .backward(create_graph=True) differentiated again)"
 
 
-def _tracked(leaves: list[Any]) -> str:
-    """How a tensor among ``leaves`` is tracked by a differentiation other than the running backward's.
+def _tracked(leaves: list[Any]) -> tuple[str, list[_Tensor]]:
+    """How tensors among ``leaves`` are tracked by a differentiation other than the running backward's.
 
-    '' if none; 'base' for autograd at the base (requires grad); 'level'
-    for a live torch.func grad/jvp level other than the backward's own, or a
-    forward-mode tangent.
+    ('level', []) for a live torch.func grad/jvp level other than the
+    backward's own, or a forward-mode tangent; ('base', tensors) for
+    autograd at the base (the tensors that require grad); ('', []) for none.
     """
     functorch = torch._C._functorch
     own = _C._backward_level()
     live = None
-    base = False
+    base: list[_Tensor] = []
     for t in leaves:
         if not isinstance(t, _Tensor):
             continue
@@ -251,13 +251,13 @@ def _tracked(leaves: list[Any]) -> str:
                     if live is None:
                         live = {i.level() for i in functorch.get_interpreter_stack() or ()}
                     if level in live:
-                        return "level"
+                        return "level", []
             t = functorch.get_unwrapped(t)
         if t.requires_grad:
-            base = True
+            base.append(t)
         if _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(t).tangent is not None:
-            return "level"
-    return "base" if base else ""
+            return "level", []
+    return ("base", base) if base else ("", [])
 
 
 def once_checked(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any]:
@@ -274,23 +274,24 @@ def _once(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any
             out = inner(ctx, *grads)
         if not torch.is_grad_enabled():
             return out
-        tracked = _tracked(list(ctx.saved_tensors) + [v for v in vars(ctx).values() if isinstance(v, _Tensor)]
-                           + list(grads))
-        if tracked == "level":
+        received = [*ctx.saved_tensors, *(v for v in vars(ctx).values() if isinstance(v, _Tensor)), *grads]
+        how, tracked = _tracked(received)
+        if how == "level":
             raise OnceDifferentiableError(_once_message(cls, _SECOND))
-        if tracked != "base":
+        if how != "base":
             return out
+        # torch's DelayedError node, fed by what is differentiated too (torch's own feeds it fresh
+        # leaves only, so a derivative taken with autograd.grad misses it): the error is raised if,
+        # and when, that derivative is taken
         outs = out if isinstance(out, tuple) else (out,)
-        error = torch._C._functions.DelayedError(_once_message(cls, _SECOND).encode(), len(outs))
-
-        def fake_requires_grad(v: Any) -> Any:
-            if isinstance(v, _Tensor):
-                v = v.detach()
-                v.requires_grad = True
-            return v
-
-        delayed = error(*[fake_requires_grad(v) for v in outs])
-        return delayed if isinstance(out, tuple) else delayed[0] if isinstance(delayed, tuple) else delayed
+        present = [k for k, o in enumerate(outs) if isinstance(o, _Tensor)]
+        error = torch._C._functions.DelayedError(_once_message(cls, _SECOND).encode(), len(present) + len(tracked))
+        fed = error(*[outs[k].detach().requires_grad_() for k in present], *tracked)
+        fed = fed if isinstance(fed, tuple) else (fed,)
+        result = list(outs)
+        for k, o in zip(present, fed):
+            result[k] = o
+        return tuple(result) if isinstance(out, tuple) else result[0]
 
     call.__qualname__ = getattr(inner, "__qualname__", "backward")
     return call
