@@ -343,6 +343,56 @@ class TestNonDifferentiableOutputs(TestCase):
             self.assertEqual(ty, (jac @ t.reshape(-1)).reshape(3, 4))
 
 
+def _rms_op(with_jvp: bool) -> Any:
+    """An op (custom_op + register_autograd) whose setup_context marks its rstd non-differentiable."""
+    name = unique_op_name("tab_declared", "rms_jvp" if with_jvp else "rms")
+
+    @torch_autobatch.custom_op(name, mutates_args=())
+    def rms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return x * rstd, rstd
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, g, g_rstd):
+        (x,) = ctx.saved_tensors
+        rstd = _rstd(x)
+        xhat = x * rstd
+        return rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+
+    rms.register_autograd(backward, setup_context=setup_context)
+    if with_jvp:  # a jvp that (wrongly) gives rstd a tangent: the mark governs
+
+        def jvp_(ctx, t):
+            (x,) = ctx.saved_tensors
+            rstd = _rstd(x)
+            xhat = x * rstd
+            return rstd * (t - xhat * (t * xhat).mean(-1, keepdim=True)), torch.ones_like(rstd)
+
+        rms.register_jvp(jvp_, setup_context=setup_context)
+    return rms
+
+
+def _rstd(x: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class TestNonDifferentiableOutputsOfOps(TestCase):
+    """NOTE [Forward mode honours mark_non_differentiable]: ops made with custom_op too."""
+
+    @parametrize("with_jvp", [False, True])
+    def test_no_tangent_on_any_path(self, with_jvp):
+        f = _rms_op(with_jvp)
+        x = torch.randn(3, 4, dtype=DT)
+        t = torch.randn_like(x)
+        self.assertEqual(jvp(f, (x,), (t,))[1][1], torch.zeros(3, 1, dtype=DT))
+        self.assertEqual(jacfwd(lambda x: f(x)[1])(x), jacrev(lambda x: f(x)[1])(x))
+        self.assertEqual(vmap(lambda x, t: jvp(f, (x,), (t,))[1][1])(x, t), torch.zeros(3, 1, dtype=DT))
+        self.assertEqual(jacfwd(lambda x: f(x)[0])(x), jacrev(lambda x: f(x)[0])(x))
+
+
 # ------------------------------------------------------- arguments as passed
 SEEN: list[tuple[str, type]] = []
 
@@ -411,3 +461,4 @@ instantiate_parametrized_tests(TestDeclarationsGovern)
 instantiate_parametrized_tests(TestOnceDifferentiable)
 instantiate_parametrized_tests(TestNonDifferentiableOutputs)
 instantiate_parametrized_tests(TestArgumentsAsPassed)
+instantiate_parametrized_tests(TestNonDifferentiableOutputsOfOps)

@@ -99,6 +99,10 @@ def composite_tangents(
     outs = out if isinstance(out, tuple) else (out,)
     flat = [t for o in outs for t in (o if isinstance(o, list) else (o,))]
     tangents = tuple(_tangent(t) for t in flat)
+    if op._ab.vjp_fwd is None and op._setup_context_fn is not None and any(t is not None for t in tangents):
+        marked = _marked_non_differentiable(op, positional, kwargs, outs)
+        if marked:
+            tangents = tuple(None if k in marked else t for k, t in enumerate(tangents))
     if (
         all(t is None for t in tangents)
         and any(_is_differentiable(t) for t in flat)
@@ -112,6 +116,31 @@ def composite_tangents(
             f"{op._name}.register_jvp(jvp)."
         )
     return tangents
+
+
+def _primal(t: Any) -> Any:
+    return torch.autograd.forward_ad.unpack_dual(t, level=0).primal if isinstance(t, torch.Tensor) else t
+
+
+def _marked_non_differentiable(
+    op: KernelSide, positional: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]
+) -> set[int]:
+    """Which of the op's (flat) outputs its setup_context marks non-differentiable."""
+    # NOTE [Forward mode honours mark_non_differentiable]: reverse mode gives
+    # an output setup_context marks no gradient; forward mode derived from the
+    # function must give it no tangent, or jacfwd and jacrev disagree. The
+    # marks are the setup_context's, so it runs once on the primal values
+    # (forward mode only, and only for ops with register_autograd).
+    inputs = tuple(map(_primal, positional)) + tuple(_primal(kwargs[k]) for k in op._ab.kwarg_only if k in kwargs)
+    ctx = BackwardContext(tuple(isinstance(a, torch.Tensor) for a in inputs))
+    primals = tuple([_primal(t) for t in o] if isinstance(o, list) else _primal(o) for o in outs)
+    with torch.no_grad():
+        op._call_setup_context(
+            op._setup_context_fn, op._ab.setup_context_kwonly, ctx, inputs, primals[0] if op._ab.num_returns == 1 else primals
+        )
+    marked = ctx.non_differentiable or ()
+    flat = [t for o in primals for t in (o if isinstance(o, list) else (o,))]
+    return {k for k, t in enumerate(flat) if any(t is m for m in marked)}
 
 
 def _is_differentiable(t: Any) -> bool:
