@@ -288,6 +288,41 @@ class TestDeclarationsGovern(TestCase):
         self._property(cls, of, x, second_order)
 
 
+class TestTorchsAutogradFunctionDb(TestCase):
+    """torch's autograd_function_db classes (setup_context style; numpy and torch forwards, jvp and vmap
+    staticmethods), lifted in place: each transform gives what torch's own class gives (its jvp governs
+    forward mode, its backward reverse mode), and vmap(grad) == a loop of grad."""
+
+    def test_transforms_match_the_unlifted_class(self):
+        import torch.testing._internal.autograd_function_db as db
+        from test_lift import _torch_db_classes, lifted_in_place
+
+        checked = 0
+        for opinfo in db.autograd_function_db:
+            if opinfo.name in ("NumpyExpMarkDirtyAutogradFunction", "NumpyCubeNotComposableAutogradFunction"):
+                continue  # refused clearly (test_lift.py)
+            sample = next(iter(opinfo.sample_inputs("cpu", DT, requires_grad=False)))
+            x, rest, kwargs = sample.input, sample.args, sample.kwargs
+
+            def f(x: torch.Tensor) -> Any:
+                return opinfo.op(x, *rest, **kwargs)
+
+            n = len(_outputs(f(x)))
+            floats = [k for k in range(n) if _outputs(f(x))[k].is_floating_point()]
+            transforms = [(t, k) for k in floats for t in (jacfwd, jacrev)]
+            expected = [t(lambda x, k=k: _outputs(f(x))[k])(x) for t, k in transforms]  # torch's own class
+            with lifted_in_place(*_torch_db_classes()):
+                for (t, k), e in zip(transforms, expected):
+                    got = t(lambda x, k=k: _outputs(f(x))[k])(x)
+                    self.assertEqual(got, e, msg=f"{opinfo.name}: {t.__name__}, output {k}")
+                if x.dim() > 0:
+                    s = lambda x: sum(o.sum() for o in _floats(f(x)))  # noqa: E731
+                    X = torch.stack([x, 2 * x])
+                    self.assertEqual(vmap(grad(s))(X), torch.stack([grad(s)(xi) for xi in X]), msg=opinfo.name)
+            checked += 1
+        self.assertGreaterEqual(checked, 12)
+
+
 class TestOnceDifferentiable(TestCase):
     """NOTE [once_differentiable governs every transform]: every second-derivative path is an error naming the class."""
 

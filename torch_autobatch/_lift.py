@@ -473,7 +473,7 @@ def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...], tensors: tuple[int, ...
     for i, o in enumerate(outs):
         for k in tensors:
             a = args[k]
-            if o is a or _is_alias_of(o, a):
+            if o is a or _is_alias_of(_underlying(o), _underlying(a)):
                 fresh = fresh or list(outs)
                 fresh[i] = o.clone()
                 break
@@ -481,6 +481,15 @@ def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...], tensors: tuple[int, ...
 
 
 _is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_get_unwrapped = torch._C._functorch.get_unwrapped
+
+
+def _underlying(t: Any) -> Any:
+    """``t`` without functorch's wrappers (a BatchedTensor has no storage of its own to compare)."""
+    while _is_wrapped(t):
+        t = _get_unwrapped(t)
+    return t
 
 
 # --------------------------------------------------------------- public API
