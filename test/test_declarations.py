@@ -378,11 +378,12 @@ class TestNonDifferentiableOutputs(TestCase):
             self.assertEqual(ty, (jac @ t.reshape(-1)).reshape(3, 4))
 
 
-def _rms_op(with_jvp: bool) -> Any:
+def _rms_op(kind: str) -> Any:
     """An op (custom_op + register_autograd) whose setup_context marks its rstd non-differentiable."""
-    name = unique_op_name("tab_declared", "rms_jvp" if with_jvp else "rms")
+    with_jvp = kind == "jvp"
+    name = unique_op_name("tab_declared", f"rms_{kind}")
 
-    @torch_autobatch.custom_op(name, mutates_args=())
+    @torch_autobatch.custom_op(name, mutates_args=(), vmap="loop" if kind == "loop" else "auto")
     def rms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
         return x * rstd, rstd
@@ -417,15 +418,20 @@ def _rstd(x: torch.Tensor) -> torch.Tensor:
 class TestNonDifferentiableOutputsOfOps(TestCase):
     """NOTE [Forward mode honours mark_non_differentiable]: ops made with custom_op too."""
 
-    @parametrize("with_jvp", [False, True])
-    def test_no_tangent_on_any_path(self, with_jvp):
-        f = _rms_op(with_jvp)
+    @parametrize("kind", ["composite", "loop", "jvp"])
+    def test_no_tangent_on_any_path(self, kind):
+        f = _rms_op(kind)
         x = torch.randn(3, 4, dtype=DT)
         t = torch.randn_like(x)
         self.assertEqual(jvp(f, (x,), (t,))[1][1], torch.zeros(3, 1, dtype=DT))
-        self.assertEqual(jacfwd(lambda x: f(x)[1])(x), jacrev(lambda x: f(x)[1])(x))
+        rstd = lambda x: f(x)[1]  # noqa: E731
+        self.assertEqual(jacfwd(rstd)(x), jacrev(rstd)(x))
+        self.assertEqual(jacfwd(jacfwd(rstd))(x), jacrev(jacrev(rstd))(x))
         self.assertEqual(vmap(lambda x, t: jvp(f, (x,), (t,))[1][1])(x, t), torch.zeros(3, 1, dtype=DT))
         self.assertEqual(jacfwd(lambda x: f(x)[0])(x), jacrev(lambda x: f(x)[0])(x))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, t: jvp(f, (x,), (t,))[1][1], backend="aot_eager")
+        self.assertEqual(compiled(x, t), torch.zeros(3, 1, dtype=DT))
 
 
 # ------------------------------------------------------- arguments as passed
