@@ -281,6 +281,18 @@ class TestDeclarationsGovern(TestCase):
         x = torch.randn(*d.shape, dtype=DT)
         self._property(d.cls, lambda apply: apply, x, d.second_order)
 
+    @parametrize("name", [n for n, d in DECLARED.items() if d.second_order])
+    def test_declared_classes_compiled(self, name):
+        # torch.compile of the transforms: the same agreement (NOTE [Dynamo and a lifted Function])
+        d = DECLARED[name]
+        x = torch.randn(*d.shape, dtype=DT)
+        with lifted(d.cls, "in_place") as f:
+            f0 = lambda x: _outputs(f(x))[0]  # noqa: E731
+            s = lambda x: f0(x).sum()  # noqa: E731
+            for transform, oracle in ((jacfwd(f0), jacrev(f0)), (hessian(s), jacrev(jacrev(s)))):
+                torch._dynamo.reset()
+                self.assertEqual(torch.compile(transform, backend="aot_eager")(x), oracle(x))
+
     @parametrize("k", [1, 2])
     @parametrize("name", list(LIFT_CASES))
     def test_kernel_library_shapes(self, name, k):
