@@ -131,12 +131,18 @@ def _marked_non_differentiable(
     # function must give it no tangent, or jacfwd and jacrev disagree. The
     # marks are the setup_context's, so it runs once on the primal values
     # (forward mode only, and only for ops with register_autograd).
+    setup = op._setup_context_fn
+    assert setup is not None  # (the caller checked)
     inputs = tuple(map(_primal, positional)) + tuple(_primal(kwargs[k]) for k in op._ab.kwarg_only if k in kwargs)
     ctx = BackwardContext(tuple(isinstance(a, torch.Tensor) for a in inputs))
     primals = tuple([_primal(t) for t in o] if isinstance(o, list) else _primal(o) for o in outs)
     with torch.no_grad():
         op._call_setup_context(
-            op._setup_context_fn, op._ab.setup_context_kwonly, ctx, inputs, primals[0] if op._ab.num_returns == 1 else primals
+            setup,
+            op._ab.setup_context_kwonly,
+            ctx,
+            inputs,
+            primals[0] if op._ab.num_returns == 1 else primals,
         )
     marked = ctx.non_differentiable or ()
     flat = [t for o in primals for t in (o if isinstance(o, list) else (o,))]

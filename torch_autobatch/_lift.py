@@ -57,19 +57,17 @@ from torch.utils import _pytree as pytree
 
 from . import _lift_compile, _vmap_presets
 from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
-from ._lift_kinds import _UNSUPPORTED, _kind, _kind_token, _restore, _schema_type
-from ._lift_rules import (
-    _apply_marks,
-    _counted,
-    _legacy_backward,
-    _legacy_jvp,
-    _legacy_jvp_setup_context,
-    legacy_transposed_jvp,
-    new_style_transposed_jvp,
-    once_checked,
+from ._lift_kinds import (
+    _UNSUPPORTED,
+    _kind,
+    _kind_token,
+    _restore,
+    _schema_type,
     restoring_setup_context,
     restoring_vmap_rule,
 )
+from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, _legacy_jvp_setup_context, once_checked
+from ._lift_transpose import legacy_transposed_jvp, new_style_transposed_jvp
 
 __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
 
@@ -436,7 +434,7 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     )
     backward = cls.backward if _defined_by_user(cls, "backward") else cls.vjp
     has_jvp = _defined_by_user(cls, "jvp")
-    # NOTE [Forward mode of a lifted class is its backward's transpose] (_lift_rules.py): no jvp
+    # NOTE [Forward mode of a lifted class is its backward's transpose] (_lift_transpose.py): no jvp
     # staticmethod, forward mode from the backward; user functions get tuples back (_restore)
     if lifted._new_style:
         setup_context = restoring_setup_context(cls.setup_context, kinds)

@@ -5,6 +5,7 @@ NOTE [Lifting an autograd.Function] (_lift.py): each combination of kinds is one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -122,3 +123,27 @@ def _restore(kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
             elif kind[1] == "float":  # a float list of ints and floats: the ints stay ints
                 pass
     return tuple(out)
+
+
+def restoring_setup_context(setup_context: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
+    """``setup_context`` given the inputs as apply was (a tuple again where the schema made a list)."""
+    if all(isinstance(k, str) for k in kinds):
+        return setup_context
+
+    def restored(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+        return setup_context(ctx, _restore(kinds, tuple(inputs)), output)
+
+    restored.__qualname__ = getattr(setup_context, "__qualname__", "setup_context")
+    return restored
+
+
+def restoring_vmap_rule(rule: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
+    """A vmap staticmethod given the arguments as apply was (a tuple again where the schema made a list)."""
+    if all(isinstance(k, str) for k in kinds):
+        return rule
+
+    def restored(info: Any, in_dims: Any, *args: Any) -> Any:
+        return rule(info, in_dims, *_restore(kinds, args))
+
+    restored.__qualname__ = getattr(rule, "__qualname__", "vmap")
+    return restored

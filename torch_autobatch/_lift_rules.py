@@ -7,13 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-
 from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
 
 from . import _C
 from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
-from ._lift_kinds import _restore
 from ._per_example import per_example
 
 _Tensor = torch.Tensor
@@ -204,12 +202,12 @@ def _mark_as_forward_did(ctx: Any, output: Any, residuals: Residuals) -> None:
 # error now, naming the class: torch.func has no lazy error node, and a jvp
 # level's derivative is taken as the backward runs). vmap levels batch, they
 # do not differentiate. Forward mode derived from such a backward (NOTE
-# [Forward mode of a lifted class is its backward's transpose]) is refused too.
+# [Forward mode of a lifted class is its backward's transpose], _lift_transpose.py) is refused too.
 class OnceDifferentiableError(RuntimeError):
     """A second derivative through a lifted class whose backward is ``@once_differentiable``."""
 
 
-_ONCE_CODE = once_differentiable(lambda ctx: None).__code__  # type: ignore[arg-type]
+_ONCE_CODE = once_differentiable(lambda ctx: None).__code__
 
 
 def is_once_differentiable(fn: Any) -> bool:
@@ -226,8 +224,10 @@ def _once_message(cls: FunctionClass, how: str) -> str:
     )
 
 
-_SECOND = "this computation differentiates it again (a second derivative: grad(grad), jacrev(jacrev), hessian, " \
+_SECOND = (
+    "this computation differentiates it again (a second derivative: grad(grad), jacrev(jacrev), hessian, "
     "jacfwd(jacrev), a .backward(create_graph=True) differentiated again)"
+)
 
 
 def _tracked(leaves: list[Any]) -> tuple[str, list[_Tensor]]:
@@ -295,170 +295,3 @@ def _once(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any
 
     call.__qualname__ = getattr(inner, "__qualname__", "backward")
     return call
-
-
-# ------------------------------------------------------------ transposed jvp
-# NOTE [Forward mode of a lifted class is its backward's transpose]
-# A class's backward is what the class declares its derivative to be, and
-# real libraries ship backwards that are deliberately not their forward's
-# derivative (gradient scaling, straight-through estimators, an identity
-# forward with a doubled backward). Forward mode derived from the forward
-# would then disagree with reverse mode (jacfwd != jacrev, hessian !=
-# jacrev(jacrev)). A class with no jvp staticmethod gets its forward mode
-# from its backward instead: the backward is linear in its cotangent g, so
-# J t = d/dg <bwd(g), t> (the gradient, with respect to g, of the backward's
-# inner product with the input tangents), taken with torch.func.grad at
-# g = 0 inside the jvp rule. jacfwd == jacrev and hessian == jacrev(jacrev)
-# by construction, and transforms outside differentiate the backward's torch
-# ops, as they do in reverse mode. A backward that cannot be differentiated
-# (@once_differentiable, one that leaves torch) is an error naming the class
-# and the fix: a jvp staticmethod. An output marked non-differentiable gets
-# no tangent, and the cotangent of an integer output is zeros (as autograd
-# materializes it) or None (set_materialize_grads(False)).
-def _is_float(t: Any) -> bool:
-    return isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def transpose_backward(
-    cls: FunctionClass,
-    pullback: Callable[..., Any],
-    outputs: tuple[Any, ...],
-    tangents: tuple[Any, ...],
-    non_differentiable: tuple[bool, ...],
-    materialize: bool,
-) -> tuple[Any, ...]:
-    """Output tangents J t from ``pullback(*output_cotangents)`` (the class's backward): its transpose."""
-    where = [k for k, o in enumerate(outputs) if _is_float(o) and not non_differentiable[k]]
-    if not where or all(t is None for t in tangents):
-        return tuple(None for _ in outputs)
-
-    def fixed(k: int, o: Any) -> Any:
-        return torch.zeros_like(o) if materialize and isinstance(o, _Tensor) else None
-
-    def inner(*gs: Any) -> _Tensor:
-        full = [fixed(k, o) for k, o in enumerate(outputs)]
-        for k, g in zip(where, gs):
-            full[k] = g
-        grads = pullback(*full)
-        grads = grads if isinstance(grads, tuple) else (grads,)
-        total = gs[0].real.sum() * 0 if gs[0].is_complex() else gs[0].sum() * 0
-        for g, t in zip(grads, tangents):
-            if isinstance(g, _Tensor) and isinstance(t, _Tensor):
-                total = total + ((g.conj() * t).real.sum() if g.is_complex() or t.is_complex() else (g * t).sum())
-        return total
-
-    seeds = tuple(torch.zeros_like(outputs[k]) for k in where)
-    try:
-        got = torch.func.grad(inner, argnums=tuple(range(len(where))))(*seeds)
-    except OnceDifferentiableError:
-        raise
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        raise type(e)(
-            f"{e}\ntorch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
-            f"staticmethod, so its forward mode is the transpose of its backward (NOTE [Forward mode of a "
-            f"lifted class is its backward's transpose]), which needs the backward to be differentiable "
-            f"with torch.func, and that failed (above). Give {cls.__qualname__} a jvp staticmethod "
-            f"(jvp(ctx, *input_tangents))."
-        ) from e
-    out: list[Any] = [None] * len(outputs)
-    for k, g in zip(where, got):
-        # (a tangent of the output's dtype: the cotangent seeds had it)
-        out[k] = g
-    return tuple(out)
-
-
-def _marked(ctx: Any, outs: tuple[Any, ...]) -> tuple[bool, ...]:
-    """Per output: did ``ctx.mark_non_differentiable`` name it?"""
-    marked = ctx.non_differentiable or ()
-    return tuple(any(o is m for m in marked) for o in outs)
-
-
-def _refuse_once(cls: FunctionClass) -> None:
-    raise OnceDifferentiableError(
-        _once_message(
-            cls,
-            "forward-mode AD (jvp, jacfwd, hessian) of a class with no jvp staticmethod is the transpose of "
-            "its backward, which differentiates it. Give the class a jvp staticmethod (jvp(ctx, *input_tangents)) "
-            "for forward mode",
-        )
-    )
-
-
-def legacy_transposed_jvp(cls: FunctionClass, backward: Callable[..., Any], fwd: Callable[..., Any], n_in: int) -> tuple[Callable[..., Any], Callable[..., None]]:
-    """register_jvp's (jvp, setup_context) for a legacy class with no jvp: its backward, transposed."""
-    once = is_once_differentiable(backward)
-    bwd = _legacy_backward(backward, n_in, cls)
-
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        if once:
-            _refuse_once(cls)
-        # (forward mode only: reverse mode never pays this second forward)
-        residuals = _forward_below_this_level(fwd, inputs)
-        _mark_as_forward_did(ctx, output, residuals)
-        flat = residuals[0] if isinstance(residuals[0], tuple) else residuals
-        ctx.transposed = (residuals, output if isinstance(output, tuple) else (output,), bool(flat[3]))
-
-    def jvp(ctx: Any, *tangents: Any) -> Any:
-        residuals, outs, materialize = ctx.transposed
-        needs = tuple(isinstance(t, _Tensor) for t in tangents)
-        result = transpose_backward(
-            cls,
-            lambda *gs: bwd(residuals, *gs, needs_input_grad=needs),
-            outs,
-            tangents,
-            _marked(ctx, outs),
-            materialize,
-        )
-        return result if len(outs) > 1 else result[0]
-
-    jvp.__qualname__ = f"{cls.__qualname__}.backward (transposed)"
-    return jvp, setup_context
-
-
-def new_style_transposed_jvp(cls: FunctionClass, backward: Callable[..., Any], n_in: int, kinds: tuple[Any, ...]) -> tuple[Callable[..., Any], Callable[..., None]]:
-    """register_jvp's (jvp, setup_context) for a class with setup_context and no jvp: its backward, transposed."""
-    once = is_once_differentiable(backward)
-    counted = _counted(once_checked(backward, cls), n_in)
-    user_setup = restoring_setup_context(cls.setup_context, kinds)
-
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        if once:
-            _refuse_once(cls)
-        user_setup(ctx, inputs, output)
-        ctx.transposed_outputs = output if isinstance(output, tuple) else (output,)
-
-    def jvp(ctx: Any, *tangents: Any) -> Any:
-        outs = ctx.transposed_outputs
-        ctx.needs_input_grad = tuple(isinstance(t, _Tensor) for t in tangents)
-        result = transpose_backward(
-            cls, lambda *gs: counted(ctx, *gs), outs, tangents, _marked(ctx, outs), ctx.materialize_grads
-        )
-        return result if len(outs) > 1 else result[0]
-
-    jvp.__qualname__ = f"{cls.__qualname__}.backward (transposed)"
-    return jvp, setup_context
-
-
-# ---------------------------------------------------- arguments as passed
-def restoring_setup_context(setup_context: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
-    """``setup_context`` given the inputs as apply was (a tuple again where the schema made a list)."""
-    if all(isinstance(k, str) for k in kinds):
-        return setup_context
-
-    def restored(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Any:
-        return setup_context(ctx, _restore(kinds, tuple(inputs)), output)
-
-    restored.__qualname__ = getattr(setup_context, "__qualname__", "setup_context")
-    return restored
-
-
-def restoring_vmap_rule(rule: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
-    """A vmap staticmethod given the arguments as apply was (a tuple again where the schema made a list)."""
-    if all(isinstance(k, str) for k in kinds):
-        return rule
-
-    def restored(info: Any, in_dims: Any, *args: Any) -> Any:
-        return rule(info, in_dims, *_restore(kinds, args))
-
-    restored.__qualname__ = getattr(rule, "__qualname__", "vmap")
-    return restored
