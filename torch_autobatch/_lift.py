@@ -49,11 +49,10 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch._library.utils import RegistrationHandle
-from torch.utils import _pytree as pytree
 
 from . import _lift_compile, _vmap_presets
 from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
@@ -66,6 +65,7 @@ from ._lift_kinds import (
     restoring_setup_context,
     restoring_vmap_rule,
 )
+from ._lift_probe import _Probe, _probe
 from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, _legacy_jvp_setup_context, once_checked
 from ._lift_transpose import legacy_transposed_jvp, new_style_transposed_jvp
 
@@ -127,75 +127,6 @@ def _unique(qualname: str) -> str:
 def _defined(qualname: str) -> bool:
     """Does an operator of this name exist already (any overload)?"""
     return bool(torch._C._jit_get_schemas_for_operator(qualname))
-
-
-# --------------------------------------------------------------------- probe
-class _Probe(NamedTuple):
-    num_outputs: int
-    returns_tuple: bool
-    torch_ops: bool  # forward ran on meta tensors
-
-
-def _one_example(t: torch.Tensor) -> torch.Tensor:
-    """A plain copy of one example of ``t``'s values (functorch wrappers peeled, batch dims indexed at 0)."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        if functorch.is_batchedtensor(t):
-            bdim = functorch.maybe_get_bdim(t)
-            t = functorch.get_unwrapped(t).select(bdim, 0)
-        else:
-            t = functorch.get_unwrapped(t)
-    return t.detach().clone()
-
-
-def _run_recorded(lifted: LiftedFunction, args: tuple[Any, ...]) -> Any:
-    """``forward`` (and a new-style class's ``setup_context``) on a recording ctx; refuses ``mark_dirty``."""
-    cls = lifted._cls
-    ctx = _RecordingCtx(tuple(isinstance(a, _Tensor) for a in args))
-    if lifted._new_style:
-        out = cls.forward(*args)
-        cls.setup_context(ctx, args, out)
-    else:
-        out = cls.forward(ctx, *args)
-    if ctx.dirty_tensors:
-        raise _MarkDirty(_mark_dirty_message(cls))
-    return out
-
-
-def _probe(lifted: LiftedFunction, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> _Probe:
-    args = _restore(kinds, args)
-
-    def meta(t: Any) -> Any:
-        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, _Tensor) else t
-
-    # Below every torch.func level (functorch would wrap what the forward makes).
-    torch_ops = True
-    try:
-        with torch.no_grad(), torch._C._DisableFuncTorch():
-            out = _run_recorded(lifted, pytree.tree_map(meta, args))
-    except _MarkDirty:
-        raise
-    except Exception:  # noqa: BLE001  (any failure: the forward does not run on meta tensors)
-        torch_ops = False
-        try:
-            with torch.no_grad(), torch._C._DisableFuncTorch():
-                out = _run_recorded(lifted, pytree.tree_map_only(_Tensor, _one_example, args))
-        except _MarkDirty:
-            raise
-        except Exception as e:
-            raise RuntimeError(
-                f"torch_autobatch: {lifted._cls.__qualname__}.forward failed when run on one example of "
-                f"the call's arguments (to learn what it returns before defining its op): {e}"
-            ) from e
-    outs = out if isinstance(out, tuple) else (out,)
-    if not outs or not all(isinstance(o, _Tensor) for o in outs):
-        raise TypeError(
-            f"torch_autobatch: {lifted._cls.__qualname__}.forward returned "
-            f"{type(out).__name__ if not isinstance(out, tuple) else tuple(type(o).__name__ for o in outs)}; "
-            f"a lifted autograd.Function must return a tensor or a tuple of tensors (an operator "
-            f"returns tensors). Return the other values from a wrapper around apply."
-        )
-    return _Probe(len(outs), isinstance(out, tuple), torch_ops)
 
 
 # -------------------------------------------------------------- the callable

@@ -84,10 +84,9 @@ def transpose_backward(
     except (RuntimeError, NotImplementedError, TypeError) as e:
         raise type(e)(
             f"{e}\ntorch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
-            f"staticmethod, so its forward mode is the transpose of its backward (NOTE [Forward mode of a "
-            f"lifted class is its backward's transpose]), which needs the backward to be differentiable "
-            f"with torch.func, and that failed (above). Give {cls.__qualname__} a jvp staticmethod "
-            f"(jvp(ctx, *input_tangents))."
+            f"staticmethod, so its forward mode is the transpose of its backward, which needs the "
+            f"backward to be differentiable with torch.func, and that failed (above). Give "
+            f"{cls.__qualname__} a jvp staticmethod (jvp(ctx, *input_tangents))."
         ) from e
     out: list[Any] = [None] * len(outputs)
     for k, g in zip(where, got):
