@@ -5,6 +5,8 @@
 
 #include "forward_mode.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -12,6 +14,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <algorithm>
+#include <cstring>
+#include <mutex>
 
 namespace torch_autobatch {
 namespace {
@@ -87,6 +91,58 @@ void run_loop_empty(
     torch::jit::push(*stack, functorch::makeBatched(at::empty_symint(sizes, options), 0, level));
   }
 }
+
+// NOTE [A loop's draws under randomness="error"]
+// One example's call runs below the vmap level, where functorch does not see
+// a random op: under vmap(..., randomness="error") (vmap's default), the
+// plain function would raise at its first draw, and the loop drew silently.
+// So the states of the generators the examples draw from (the CPU one and
+// each input device's default one, as RngStates keeps for "same") are read
+// before the loop and compared after it: any change is functorch's error,
+// naming the op. Reading them costs microseconds per loop, not per op.
+class GeneratorStates {
+ public:
+  explicit GeneratorStates(const std::vector<at::Tensor>& inputs) {
+    add(at::detail::getDefaultCPUGenerator());
+    for (const auto& t : inputs) {
+      if (t.defined() && !t.is_cpu() && t.device().type() != c10::DeviceType::Meta) {
+        try {
+          add(at::globalContext().defaultGenerator(t.device()));
+        } catch (const c10::Error&) {
+          // A device without a default generator draws no random numbers.
+        }
+      }
+    }
+  }
+  // Compared byte for byte, with no dispatch: under a tracer's fake mode
+  // (torch.compile) the states are real CPU tensors all the same.
+  bool changed() const {
+    for (const auto& [gen, before] : states_) {
+      const at::Tensor now = state_of(gen);
+      if (now.nbytes() != before.nbytes() ||
+          std::memcmp(now.const_data_ptr(), before.const_data_ptr(), before.nbytes()) != 0) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  static at::Tensor state_of(const at::Generator& gen) {
+    at::Generator g = gen;
+    std::lock_guard<std::mutex> lock(g.mutex());
+    return g.get_state();
+  }
+  void add(const at::Generator& gen) {
+    for (const auto& s : states_) {
+      if (s.first == gen) {
+        return;
+      }
+    }
+    states_.emplace_back(gen, state_of(gen));
+  }
+  std::vector<std::pair<at::Generator, at::Tensor>> states_;
+};
 
 } // namespace
 
@@ -259,9 +315,11 @@ void run_loop(
     run_loop_empty(state, op, args, batched, level, stack);
     return;
   }
-  // randomness="same": every example draws the numbers the first one drew.
+  // randomness="same": every example draws the numbers the first one drew;
+  // "error": none may draw (NOTE [A loop's draws under randomness="error"]).
   std::optional<RngStates> rng_before;
-  if (layer.randomness() == RandomnessType::Same) {
+  std::optional<GeneratorStates> draws_before;
+  if (layer.randomness() != RandomnessType::Different) {
     std::vector<at::Tensor> tensors;
     for (const auto& a : args) {
       map_tensors(a, [&](const at::Tensor& t, size_t) {
@@ -269,7 +327,11 @@ void run_loop(
         return t;
       });
     }
-    rng_before.emplace(tensors);
+    if (layer.randomness() == RandomnessType::Same) {
+      rng_before.emplace(tensors);
+    } else {
+      draws_before.emplace(tensors);
+    }
   }
   std::vector<std::vector<at::Tensor>> results(num_returns);
   for (int64_t b = 0; b < batch_size; ++b) {
@@ -288,6 +350,14 @@ void run_loop(
       results[r].push_back(call[r].toTensor());
     }
   }
+  TORCH_CHECK(
+      !draws_before || !draws_before->changed(),
+      "vmap: called random operation while in randomness error mode. Please either use the "
+      "'same' or 'different' randomness flags on vmap or perform the randomness operation out "
+      "of vmap. torch_autobatch: the function of ",
+      state.qualname,
+      " (vmap=\"loop\": run once per example, below the vmap) drew random numbers, and this vmap "
+      "has randomness='error' (the default).");
   for (size_t r = 0; r < num_returns; ++r) {
     torch::jit::push(*stack, functorch::makeBatched(at::stack(results[r]), 0, level));
   }
