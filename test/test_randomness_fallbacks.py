@@ -215,3 +215,29 @@ for _kind, (_, _transforms) in KINDS.items():
 
 if __name__ == "__main__":
     run_tests()
+
+
+class MaskThenNoiseBackward(torch.autograd.Function):
+    """Masks before it draws: the batched attempt fails on the mask, the per-example loop on the draw."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        out = g.clone()
+        out[x < -10] = 0
+        return out * _noise(x)
+
+
+class TestTheLoopsRefusalIsReported(TestCase):
+    def test_a_backward_that_masks_then_draws_names_the_draw(self):
+        f = torch_autobatch.from_function(MaskThenNoiseBackward, name=f"{NS}::mask_then_noise")
+        x = torch.ones(B, 3, dtype=DTYPE)
+        with self.assertRaisesRegex(RuntimeError, r"MaskThenNoiseBackward.backward drew random numbers"):
+            vmap(grad(lambda x: f(x).sum()), randomness="error")(x)
+        out = vmap(grad(lambda x: f(x).sum()), randomness="same")(x)
+        self.assertEqual(out, out[:1].expand_as(out))

@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C
 from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
-from ._per_example import per_example
+from ._per_example import DrewUnderError, per_example
 
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
@@ -41,6 +41,8 @@ def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass
                     (saved, attributes, grads),
                     f"{cls.__qualname__}.backward",
                 )
+            except DrewUnderError:
+                raise  # (the loop's own refusal, not the batched attempt's failure)
             except Exception:
                 raise e from None
         # (a gradient of another dtype than its input's, after an AMP forward

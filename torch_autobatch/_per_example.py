@@ -95,8 +95,12 @@ def _no_modes() -> Any:
     return contextlib.nullcontext()
 
 
+class DrewUnderError(RuntimeError):
+    """A per-example fallback drew random numbers under ``randomness="error"`` (functorch's message first)."""
+
+
 def _drew_in_error_mode(what: str, level: int) -> RuntimeError:
-    return RuntimeError(
+    return DrewUnderError(
         "vmap: called random operation while in randomness error mode. Please either use the 'same' or "
         "'different' randomness flags on vmap or perform the randomness operation out of vmap. "
         f"torch_autobatch: {what} drew random numbers while it ran once per example of the vmap at level "
