@@ -279,6 +279,52 @@ void run_companion(const OpState& state, const c10::OperatorHandle& op, torch::j
   }
 }
 
+namespace {
+// randomness="same": every example draws the numbers the first one drew;
+// "error": none may draw (NOTE [A loop's draws under randomness="error"]).
+class LoopDraws {
+ public:
+  LoopDraws(RandomnessType randomness, const std::vector<c10::IValue>& args) {
+    if (randomness == RandomnessType::Different) {
+      return;
+    }
+    std::vector<at::Tensor> tensors;
+    for (const auto& a : args) {
+      map_tensors(a, [&](const at::Tensor& t, size_t) {
+        tensors.push_back(t);
+        return t;
+      });
+    }
+    if (randomness == RandomnessType::Same) {
+      rng_before_.emplace(tensors);
+    } else {
+      draws_before_.emplace(tensors);
+    }
+  }
+
+  void before_example(int64_t b) {
+    if (rng_before_ && b > 0) {
+      rng_before_->restore();
+    }
+  }
+
+  void check(const OpState& state) const {
+    TORCH_CHECK(
+        !draws_before_ || !draws_before_->changed(),
+        "vmap: called random operation while in randomness error mode. Please either use the "
+        "'same' or 'different' randomness flags on vmap or perform the randomness operation out "
+        "of vmap. torch_autobatch: the function of ",
+        state.qualname,
+        " (vmap=\"loop\": run once per example, below the vmap) drew random numbers, and this "
+        "vmap has randomness='error' (the default).");
+  }
+
+ private:
+  std::optional<RngStates> rng_before_;
+  std::optional<GeneratorStates> draws_before_;
+};
+} // namespace
+
 void run_loop(
     const OpState& state,
     const c10::OperatorHandle& op,
@@ -315,29 +361,10 @@ void run_loop(
     run_loop_empty(state, op, args, batched, level, stack);
     return;
   }
-  // randomness="same": every example draws the numbers the first one drew;
-  // "error": none may draw (NOTE [A loop's draws under randomness="error"]).
-  std::optional<RngStates> rng_before;
-  std::optional<GeneratorStates> draws_before;
-  if (layer.randomness() != RandomnessType::Different) {
-    std::vector<at::Tensor> tensors;
-    for (const auto& a : args) {
-      map_tensors(a, [&](const at::Tensor& t, size_t) {
-        tensors.push_back(t);
-        return t;
-      });
-    }
-    if (layer.randomness() == RandomnessType::Same) {
-      rng_before.emplace(tensors);
-    } else {
-      draws_before.emplace(tensors);
-    }
-  }
+  LoopDraws draws(layer.randomness(), args);
   std::vector<std::vector<at::Tensor>> results(num_returns);
   for (int64_t b = 0; b < batch_size; ++b) {
-    if (rng_before && b > 0) {
-      rng_before->restore();
-    }
+    draws.before_example(b);
     torch::jit::Stack call;
     for (size_t a = 0; a < num_args; ++a) {
       call.push_back(map_tensors(args[a], [&](const at::Tensor& t, size_t k) {
@@ -350,14 +377,7 @@ void run_loop(
       results[r].push_back(call[r].toTensor());
     }
   }
-  TORCH_CHECK(
-      !draws_before || !draws_before->changed(),
-      "vmap: called random operation while in randomness error mode. Please either use the "
-      "'same' or 'different' randomness flags on vmap or perform the randomness operation out "
-      "of vmap. torch_autobatch: the function of ",
-      state.qualname,
-      " (vmap=\"loop\": run once per example, below the vmap) drew random numbers, and this vmap "
-      "has randomness='error' (the default).");
+  draws.check(state);
   for (size_t r = 0; r < num_returns; ++r) {
     torch::jit::push(*stack, functorch::makeBatched(at::stack(results[r]), 0, level));
   }
