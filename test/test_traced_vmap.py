@@ -261,15 +261,18 @@ class TestOneNode(TestCase):
             (got,) = torch.autograd.grad(out.sum(), xg)
             self.assertEqual(got, 2.0 * (out != 0).to(DTYPE))
 
-    def test_a_loop_op_draws_under_randomness_error_and_its_backward_replays_the_draw(self):
-        # NOTE [A companion draws what its forward drew]: a composite's draw under
-        # randomness="error" is refused, so its companion keeps no random state; a loop's
-        # is not (it runs below the level), so its companion keeps it. (loop_dropout: below;
-        # defining it again here would leave that object stale.)
+    def test_a_loop_op_s_traced_backward_replays_the_draw(self):
+        # NOTE [A companion draws what its forward drew]: under randomness="error" a draw is
+        # refused, the composite's by functorch, a loop's by the loop (NOTE [A loop's draws
+        # under randomness="error"], csrc/vmap_loop.cpp); otherwise the loop's companion keeps
+        # the state, at each nesting depth. (loop_dropout: below; defining it again here would
+        # leave that object stale.)
         x = torch.rand(16, 64, dtype=DTYPE) + 1
-        with self.assertRaisesRegex(RuntimeError, "randomness"):
-            make_fx(torch.vmap(dropout))(x)  # the composite: functorch refuses the draw
-        for traced, inputs in ((torch.vmap(loop_dropout), x), (torch.vmap(torch.vmap(loop_dropout)), x.view(4, 4, 64))):
+        for op in (dropout, loop_dropout):
+            with self.assertRaisesRegex(RuntimeError, "randomness"):
+                make_fx(torch.vmap(op))(x)
+        different = lambda fn: torch.vmap(fn, randomness="different")  # noqa: E731
+        for traced, inputs in ((different(loop_dropout), x), (different(different(loop_dropout)), x.view(4, 4, 64))):
             gm = make_fx(traced)(inputs)
             for _ in range(3):
                 xg = inputs.clone().requires_grad_()
@@ -570,9 +573,154 @@ class TestTracedDraws(TestCase):
         self.assertEqual(grad, expected)
 
 
+# Issue 46 item 1: a traced random op, differentiated, must use the forward's
+# own draws (NOTE [A companion draws what its forward drew], NOTE [A
+# differentiated companion's forward runs what its backward recomputes]).
+# Each op draws u and returns x * u; its backward and jvp are 2x, read from
+# the draws (u = out / x): a derivative of other draws is not 2 * out / x.
+def _draws_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _draws_backward(ctx, g):
+    x, out = ctx.saved_tensors
+    return 2 * g * out / x
+
+
+def _draws_jvp_setup(ctx, inputs, output):
+    ctx.save_for_forward(inputs[0], output)
+
+
+def _draws_jvp(ctx, t):
+    x, out = ctx.saved_tensors
+    return 2 * t * out / x
+
+
+def _draws_fwd(x):  # draws as the function does
+    u = torch.rand_like(x)
+    return x * u, u
+
+
+def _draws_fwd_otherwise(x):  # draws otherwise than the function
+    torch.randn_like(x)
+    u = torch.rand_like(x)
+    return x * u, u
+
+
+def _draws_op(name, rule, vmap="auto"):
+    op = torch_autobatch.custom_op(
+        f"{NS}::{name}", lambda x: x * torch.rand_like(x), mutates_args=(), schema="(Tensor x) -> Tensor", vmap=vmap
+    )
+    if rule is None:
+        op.register_autograd(_draws_backward, setup_context=_draws_setup)
+    else:
+        op.register_vjp(rule, lambda u, g: 2 * g * u)
+    op.register_jvp(_draws_jvp, setup_context=_draws_jvp_setup)
+    return op
+
+
+DRAWING_OPS = {
+    "register_vjp": _draws_op("draws_vjp", _draws_fwd),
+    "register_vjp_fwd_draws_otherwise": _draws_op("draws_vjp_otherwise", _draws_fwd_otherwise),
+    "register_autograd": _draws_op("draws_autograd", None),
+    "loop": _draws_op("draws_loop", None, vmap="loop"),
+}
+
+
+def _traced_draws(path, program, x):
+    """``program`` traced by ``path``: a callable running a graph that holds the companion."""
+    if path.startswith("make_fx_"):
+        return make_fx(program, tracing_mode=path[len("make_fx_") :])(x)
+    if path == "export":
+
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return program(x)
+
+        return torch.export.export(M(), (x,)).run_decompositions().module()
+    from functorch.compile import aot_function, nop
+
+    return aot_function(make_fx(program)(x), nop)  # AOTAutograd traces the companion's backward
+
+
+# (path, kind, direction) where the derivative is an error, not a value: the
+# backward aot_function traces would recompute the draws; the jvp's recompute
+# of a forward that ran the function runs fwd, which draws otherwise.
+TRACED_DRAW_ERRORS = {
+    *(("aot_function", kind, "reverse") for kind in DRAWING_OPS),
+    *(
+        (path, "register_vjp_fwd_draws_otherwise", direction)
+        for path in ("make_fx_real", "make_fx_fake", "make_fx_symbolic", "export")
+        for direction in ("jvp", "dual")
+    ),
+}
+
+
+class TestTracedRandomOpDerivatives(TestCase):
+    """A traced random op differentiated: the forward's own draws' derivative, or TracedDrawError naming the op."""
+
+    def _check(self, op, error, derivative):
+        x = torch.rand(6, 5, dtype=DTYPE) + 1  # no zero: u = out / x
+        if error:
+            with self.assertRaisesRegex(torch_autobatch.TracedDrawError, f"{op._qualname} draws random numbers"):
+                derivative(x)
+            return
+        for _ in range(2):  # a second call draws anew, and is right again
+            out, got = derivative(x)
+            self.assertEqual(got, 2 * out.detach() / x)
+
+    @parametrize("randomness", ["same", "different"])
+    @parametrize("kind", list(DRAWING_OPS))
+    @parametrize("path", ["make_fx_real", "make_fx_fake", "make_fx_symbolic", "export", "aot_function"])
+    def test_the_derivative_is_the_forward_draw_s(self, path, kind, randomness):
+        op = DRAWING_OPS[kind]
+        program = _traced_draws(path, torch.vmap(op, randomness=randomness), torch.rand(6, 5, dtype=DTYPE) + 1)
+
+        def reverse(x):
+            xg = x.clone().requires_grad_()
+            out = program(xg)
+            return out, torch.autograd.grad(out.sum(), xg)[0]
+
+        def jvp(x):
+            return torch.func.jvp(program, (x,), (torch.ones_like(x),))
+
+        def dual(x):
+            from torch.autograd import forward_ad
+
+            with forward_ad.dual_level():
+                return tuple(forward_ad.unpack_dual(program(forward_ad.make_dual(x, torch.ones_like(x)))))
+
+        self._check(op, (path, kind, "reverse") in TRACED_DRAW_ERRORS, reverse)
+        if path != "aot_function":  # torch runs no forward mode through an aot_function
+            self._check(op, (path, kind, "jvp") in TRACED_DRAW_ERRORS, jvp)
+        if path in ("make_fx_real", "export"):
+            self._check(op, (path, kind, "dual") in TRACED_DRAW_ERRORS, dual)
+
+    @parametrize("kind", list(DRAWING_OPS))
+    def test_grad_of_the_traced_program_and_a_differentiable_backward(self, kind):
+        # torch.func.grad of the graph: the forward's draws. create_graph=True recomputes on
+        # inputs that stay tracked, so an op's register_vjp fwd runs again there, drawing
+        # anew (NOTE [Second derivatives through residuals]): an error.
+        op = DRAWING_OPS[kind]
+        program = make_fx(torch.vmap(op, randomness="different"))(torch.rand(6, 5, dtype=DTYPE) + 1)
+
+        def grad(x):
+            got, (_, out) = torch.func.grad_and_value(lambda x: (lambda o: (o.sum(), o))(program(x)), has_aux=True)(x)
+            return out, got
+
+        def differentiable_backward(x):
+            xg = x.clone().requires_grad_()
+            out = program(xg)
+            return out, torch.autograd.grad(out.sum(), xg, create_graph=True)[0]
+
+        self._check(op, False, grad)
+        self._check(op, kind.startswith("register_vjp"), differentiable_backward)
+
+
 instantiate_parametrized_tests(TestOneNode)
 instantiate_parametrized_tests(TestCompiledVmap)
 instantiate_parametrized_tests(TestTracedDraws)
+instantiate_parametrized_tests(TestTracedRandomOpDerivatives)
 
 if __name__ == "__main__":
     run_tests()

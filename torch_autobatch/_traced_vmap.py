@@ -26,15 +26,19 @@ defined on first use:
   and ``randomness="same"`` draws as eagerly;
 - backward: ``torch.func.grad`` of that same vmapped call against the
   gradients (the pullback, run while its level is live): the op's
-  **registered** backward, batched; jvp:
-  ``torch.func.jvp`` of it: the registered jvp, batched. Both recompute the
-  forward (the op's residuals are BatchedTensors of a call that is gone;
-  a node of a traced graph keeps only what the graph passes it), so a
-  traced program's backward costs one more forward of the op. An op that
-  draws random numbers draws the same numbers there: the random state
-  before the forward is kept with the node and put back around the
-  recompute (as torch.utils.checkpoint does), so the backward differentiates
-  the forward that ran, not another draw.
+  **registered** backward, batched; jvp: ``torch.func.jvp`` of it (under
+  ``torch.autograd.forward_ad``, dual tensors at the caller's level): the
+  registered jvp, batched. Both recompute the forward (the op's residuals
+  are BatchedTensors of a call that is gone; a node of a traced graph keeps
+  only what the graph passes it), so a traced program's backward costs one
+  more forward of the op. An op that draws random numbers draws the same
+  numbers there: the random state before the forward is kept with the node
+  and put back around the recompute (as torch.utils.checkpoint does), a
+  forward that makes the grad node runs the code the recompute runs (NOTE
+  [A differentiated companion's forward runs what its backward
+  recomputes]), and a recompute that drew otherwise is an error (NOTE [A
+  companion draws what its forward drew]): the derivative is the forward's
+  draws', never another draw's.
 
 While the companion's function or rules run, the op (and any op) under vmap
 below a tracer dissolves into its composite (:func:`inside_rules`): the
@@ -53,8 +57,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C import _functorch as _ft
+from torch.autograd import forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _C
 
 if TYPE_CHECKING:
     from ._kernel_side import KernelSide
@@ -187,27 +194,40 @@ def _define(op: KernelSide) -> Any:
         # Plain code, no context managers: this runs on every call of a graph.
         # NOTE [A companion's function runs vmap below a mode]
         _state.depth = getattr(_state, "depth", 0) + 1
-        # read by this call's setup_context (_save); NOTE [A companion draws what its forward drew]
-        _state.rng = _random_state(args) if args[n + 1] != "error" or not _composite(op) else None
+        # NOTE [A companion draws what its forward drew]: the state before the forward
+        rng = _random_state(args) if args[n + 1] != "error" or not _composite(op) else None
+        if _forward_ad._current_level >= 0:  # NOTE [A companion's function sees no dual tensors]
+            args = _without_tangents(n, args)
         try:
             guard = _functorch_guard()
             if guard is None:
-                return _vmapped(op, n, args)
+                return _forward(made, op, n, args, rng)
             with guard:
-                return _vmapped(op, n, args)
+                return _forward(made, op, n, args, rng)
         finally:
             _state.depth -= 1
+            # read by this call's setup_contexts (_save), which run next; set
+            # after the call, so a companion the call ran inside cannot replace it
+            _state.rng = rng
 
     function.__name__ = function.__qualname__ = f"{PREFIX}{op._name}"
     # Our CustomOpDef (type(op)): a companion is an op like any other.
     made: Any = type(op)(namespace, name, _schema(op), function, None)  # type: ignore[call-arg]
     made._companion_of = op
     made.register_autograd(
-        lambda ctx, *grads: _backward(op, n, ctx, grads), setup_context=lambda ctx, inputs, output: _save(ctx, inputs)
+        lambda ctx, *grads: _backward(op, n, ctx, grads),
+        setup_context=lambda ctx, inputs, output: _save_for_backward(op, ctx, inputs),
     )
     made.register_jvp(
-        lambda ctx, *tangents: _jvp(op, n, ctx, tangents), setup_context=lambda ctx, inputs, output: _save(ctx, inputs)
+        lambda ctx, *tangents: _jvp(op, n, ctx, tangents),
+        setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output),
     )
+    # NOTE [A differentiated companion's forward runs what its backward
+    # recomputes]: our Autograd kernel asks the function for residuals where
+    # it makes a node; _forward answers with vmap(op)'s output and none:
+    # nothing for register_vjp's output check to compare.
+    made._ab.vjp_fwd_is_function = True
+    made._ab.registration.set_has_vjp(True)
     return made
 
 
@@ -217,12 +237,27 @@ _SAVED = object()  # a saved tensor's place among ctx.leaves
 # NOTE [A companion draws what its forward drew]
 # The companion's backward and jvp recompute the forward; for an op that draws
 # random numbers, they must draw what it drew, so the random state before the
-# forward is kept with the node and put back around the recompute. Reading it
-# (the CPU generator's state and each input device's) is most of a small
-# companion's own cost per call, so it is skipped where the forward cannot
-# have drawn: under randomness="error" functorch refuses every random op of
-# a composite run on BatchedTensors. A loop, a vmap preset or a register_vmap
-# rule runs below the level, where functorch does not see a draw: those keep it.
+# forward is kept with the node and put back around the recompute. That is
+# right only where the recompute runs the code that drew in the forward (NOTE
+# [A differentiated companion's forward runs what its backward recomputes]),
+# and where nothing draws again. Not so: a jvp recompute under which a
+# register_vjp op runs fwd (drawing otherwise than the function that computed
+# the primal), an op's fwd run again in a backward whose inputs stay tracked
+# (NOTE [Second derivatives through residuals], _vjp.py: create_graph=True,
+# an outer AD level, a loop op's examples). So, run eagerly, a backward
+# checks that the generators end where the forward left them (their states
+# after the forward are kept with the node), and a jvp that its recomputed
+# primal is the forward's output; else TracedDrawError, naming the op. Both
+# only for an op with a register_vjp fwd, the one code that runs in a
+# differentiated call and not in a plain one (a backward of such an op that
+# draws random numbers itself fails the check too). A traced
+# recompute is watched instead (NOTE [A traced recompute cannot replay
+# draws]). Reading the state (the CPU generator's and each input device's)
+# is most of a small companion's own cost per call, so it is skipped where
+# the forward cannot have drawn: under randomness="error" functorch refuses
+# every random op of a composite run on BatchedTensors. A loop, a vmap preset
+# or a register_vmap rule runs below the level, where functorch does not see
+# a draw: those keep it.
 def _composite(op: KernelSide) -> bool:
     """Does the op's batched kernel run its function on BatchedTensors (where functorch checks randomness)?
 
@@ -239,6 +274,24 @@ def _random_state(args: tuple[Any, ...]) -> tuple[Any, ...]:
     from torch.utils.checkpoint import get_device_states
 
     return (torch.get_rng_state(), *get_device_states(*args))
+
+
+def _rng_after(state: Any) -> Any:
+    """The generators' states now, for those ``state`` (a :func:`_random_state`) holds."""
+    from torch.utils.checkpoint import DefaultDeviceType, _get_device_module
+
+    _, devices, _ = state
+    device_states = []
+    if devices:
+        module: Any = _get_device_module(DefaultDeviceType.get_device_type())
+        for d in devices:
+            with module.device(d):
+                device_states.append(module.get_rng_state())
+    return torch.get_rng_state(), device_states
+
+
+def _same_rng(a: Any, b: Any) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
 @contextlib.contextmanager
@@ -352,17 +405,116 @@ def _watch_draws(op: KernelSide, ctx: Any, rule: str) -> Any:
     return _DrawWatch(op, rule) if tracing and ctx.random_state is not None else contextlib.nullcontext()
 
 
-def _save(ctx: Any, inputs: tuple[Any, ...]) -> None:
-    ctx.random_state, _state.rng = getattr(_state, "rng", None), None
+def _tracing() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def _save(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    """The jvp's setup_context: the inputs, the forward's random state and its output (for :func:`_differ`)."""
+    ctx.random_state = getattr(_state, "rng", None)  # the backward's setup_context, next, takes it too
     leaves, spec = pytree.tree_flatten(list(inputs))
     ctx.save_for_backward(*[t for t in leaves if isinstance(t, torch.Tensor)])
     ctx.leaves = [_SAVED if isinstance(t, torch.Tensor) else t for t in leaves]
     ctx.spec = spec
+    ctx.output = output
 
 
 def _inputs(ctx: Any) -> list[Any]:
     it = iter(ctx.saved_tensors)
     return pytree.tree_unflatten([next(it) if v is _SAVED else v for v in ctx.leaves], ctx.spec)
+
+
+# NOTE [A differentiated companion's forward runs what its backward recomputes]
+# The companion's backward recomputes the forward (a pullback cannot be
+# kept: the op's backward may read tensors it kept on ctx, which die with
+# the grad level it ran at) from the forward's random state: right only if
+# the recompute runs the code that drew in the forward. The recompute runs
+# vmap(op) as a differentiated call, where a register_vjp op runs its fwd
+# (and a loop op its function per example, at the grad level); a forward
+# below autograd runs the op's function, which may draw otherwise (another
+# number of draws, another order). So where the forward can have drawn
+# (ctx.random_state) and our Autograd kernel makes the companion's grad node,
+# the forward is that differentiated call too: the companion takes
+# register_vjp's residual request (NOTE [Residuals of register_vjp],
+# csrc/op_state.h: the one signal, below autograd, that a node is being
+# made), and its function runs ``torch.func.vjp`` of the vmapped call on the
+# inputs detached (the node carries their history; the pullback is dropped).
+# The recompute repeats it on the inputs detached and unwrapped from the AD
+# levels (:func:`_untracked`), so no node in it finds an input tracked
+# beyond it and runs fwd again. Only a backward that is itself
+# differentiated (``_VjpCall.residuals`` is None: the question an op's node
+# asks, NOTE [Second derivatives through residuals] in _vjp.py, answered the
+# same way) recomputes on the inputs as saved, so its result is tracked;
+# an op's fwd then runs again there, and draws anew: NOTE [A companion draws
+# what its forward drew] makes that an error. A forward that cannot draw,
+# or whose op has no fwd (its differentiated call runs its function below
+# autograd, as the plain call does), stays plain: that differentiated
+# forward cost a small random op's forward + backward ~25%.
+class _Mark:
+    """A residual that is not an input: ``_VjpCall`` then answers whether the backward is differentiated."""
+
+    tensor = torch.empty(0)  # made once, at import: never traced, never in a compile fingerprint
+
+
+# NOTE [A companion's function sees no dual tensors]
+# Our Autograd kernel runs the function below autograd on the arguments as
+# given: under torch.autograd.forward_ad, dual tensors, whose tangents the
+# op's own kernel would then find inside the vmap, below autograd, and fail
+# on (an INTERNAL ASSERT of _fw_primal). The companion's tangents are its
+# jvp's (_jvp), so the function runs on the primals: a detach below
+# autograd aliases the data without the tangent.
+def _without_tangents(n: int, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def primal(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return a.detach()
+        return [primal(e) for e in a] if isinstance(a, (list, tuple)) and _is_tensors(a) else a
+
+    return (*[primal(a) for a in args[:n]], *args[n:])
+
+
+def _forward(made: Any, op: KernelSide, n: int, args: tuple[Any, ...], rng: Any) -> Any:
+    """The companion's function: ``vmap(op)``, differentiated where its grad node is being made and it can draw."""
+    if rng is not None and _runs_fwd(op):
+        answered = made._ab.registration.answer_residual_request(_differentiated, (op, n, args), {})
+        if answered is not None:
+            return answered[0]
+    return _vmapped(op, n, args)
+
+
+def _runs_fwd(op: KernelSide) -> bool:
+    """Does a differentiated call of the op run other code than its function (register_vjp's fwd)?"""
+    inner = getattr(op, "_companion_of", None)
+    return _runs_fwd(inner) if inner is not None else op._ab.vjp_fwd is not None
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _differentiated(op: KernelSide, n: int, args: tuple[Any, ...]) -> tuple[Any, None]:
+    """(vmap(op) as a differentiated call, no residuals): the residual request's answer."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fn, leaves, where = _as_fn(op, n, list(args))
+    if not where or any(isinstance(t, FakeTensor) for t in leaves):  # fake: nothing draws
+        return _vmapped(op, n, args), None
+
+    def split(*diff: Any) -> tuple[list[Any], Any]:
+        out = fn(*diff)
+        return [o for o in pytree.tree_leaves(out) if _differentiable(o)] or pytree.tree_leaves(out), out
+
+    _, _, out = torch.func.vjp(split, *[leaves[i].detach() for i in where], has_aux=True)  # type: ignore[misc]
+    return out, None
+
+
+def _save_for_backward(op: KernelSide, ctx: Any, inputs: tuple[Any, ...]) -> None:
+    """The backward's setup_context: the inputs, the random state before and after the forward."""
+    state, _state.rng = getattr(_state, "rng", None), None
+    ctx.random_state = state
+    # NOTE [A companion draws what its forward drew]: where a recompute can draw otherwise, where it must end
+    ctx.rng_after = None if state is None or not _runs_fwd(op) or _tracing() else _rng_after(state)
+    saved, ctx.call = _C._vjp_save(tuple(inputs), (_Mark.tensor,))
+    ctx.save_for_backward(*saved)
 
 
 def _vmapped(op: KernelSide, n: int, args: tuple[Any, ...]) -> Any:
@@ -451,11 +603,15 @@ def _as_fn(op: KernelSide, n: int, args: list[Any]) -> tuple[Callable[..., Any],
 
 def _backward(op: KernelSide, n: int, ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     """The op's registered backward, batched (NOTE [One node for vmap(op) in a trace])."""
-    args = _inputs(ctx)
+    saved = ctx.saved_tensors
+    args = list(ctx.call.inputs(saved))
     fn, leaves, where = _as_fn(op, n, args)
     flat_grads = [e for g in grads for e in (g if isinstance(g, (list, tuple)) else (g,))]
     result: list[Any] = [None] * len(leaves)
     if where and any(g is not None for g in flat_grads):
+        # NOTE [A differentiated companion's forward runs what its backward recomputes]
+        differentiated = ctx.call.residuals(saved) is None
+        state, after = ctx.random_state, ctx.rng_after
 
         def loss(*diff: Any) -> torch.Tensor:
             # The pullback of cotangent g is the gradient of Re(<g, out>),
@@ -468,15 +624,64 @@ def _backward(op: KernelSide, n: int, ctx: Any, grads: tuple[Any, ...]) -> tuple
             ]
             return functools.reduce(torch.add, terms)
 
-        with _running_rules(), _same_draws(ctx.random_state), _watch_draws(op, ctx, "backward"):
-            got = torch.func.grad(loss, argnums=tuple(range(len(where))))(*[leaves[i] for i in where])
+        primals = [leaves[i] if differentiated else _untracked(leaves[i]) for i in where]
+        with _running_rules(), _same_draws(state), _watch_draws(op, ctx, "backward"):
+            got = torch.func.grad(loss, argnums=tuple(range(len(where))))(*primals)
+            # NOTE [A companion draws what its forward drew]
+            if after is not None and not _same_rng(_rng_after(state), after):
+                raise _redrawn(op, "backward")
         for i, g in zip(where, got):
             result[i] = g
     return (*_per_arg(args[:n], result), None, None)
 
 
+def _untracked(t: Any) -> Any:
+    """An input as the recompute of a backward nothing differentiates takes it: detached, the AD levels' wrappers off.
+
+    No node of the recompute then finds it tracked beyond its level, so
+    none runs register_vjp's fwd again (NOTE [Second derivatives through
+    residuals]: an input wrapped at an outer level counts as tracked). A
+    BatchedTensor stays: its vmap level is the backward's own.
+    """
+    t = t.detach()
+    while _ft.is_gradtrackingtensor(t):
+        t = _ft.get_unwrapped(t)
+    return t
+
+
+def _differ(got: Sequence[Any], expected: Sequence[Any]) -> bool:
+    """Do a recompute's outputs differ from the forward's (beyond rounding)?"""
+    for a, b in zip(got, expected):
+        if not isinstance(a, torch.Tensor):
+            continue
+        with torch.no_grad():  # isclose, from ops with batching rules (a BatchedTensor at re-entered levels)
+            same = a == b
+            if _differentiable(a):
+                same = same | ((a - b).abs() <= 1e-6 + 1e-5 * b.abs()) | (a.isnan() & b.isnan())
+        while _ft.is_functorch_wrapped_tensor(same):  # the values, whatever levels wrap them
+            same = _ft.get_unwrapped(same)
+        if not bool(same.all()):
+            return True
+    return False
+
+
+def _redrawn(op: KernelSide, rule: str) -> TracedDrawError:
+    """An eager recompute drew otherwise than the forward (NOTE [A companion draws what its forward drew])."""
+    return TracedDrawError(
+        f"torch_autobatch: {op._qualname} draws random numbers under vmap, and the {rule} of its vmapped "
+        f"companion (vmap(op) in a traced program) recomputed the forward and drew other numbers than the "
+        f"forward drew: the op's register_vjp fwd draws otherwise than its function, or a fwd ran again in a "
+        f"backward whose inputs stay tracked (create_graph=True, a transform outside it, a vmap='loop' op's "
+        f"examples), or the {rule} draws itself. The derivative would belong to other draws than the "
+        "forward's. Differentiate the traced program once, by reverse mode (torch.autograd.grad or .backward() "
+        "without create_graph), or draw the random numbers outside the op and pass them to it as an argument."
+    )
+
+
 def _jvp(op: KernelSide, n: int, ctx: Any, tangents: tuple[Any, ...]) -> Any:
     """The op's registered jvp, batched (NOTE [One node for vmap(op) in a trace])."""
+    from torch._functorch import eager_transforms
+
     args = _inputs(ctx)
     fn, leaves, where = _as_fn(op, n, args)
     flat: list[Any] = []
@@ -485,10 +690,32 @@ def _jvp(op: KernelSide, n: int, ctx: Any, tangents: tuple[Any, ...]) -> Any:
             flat += (
                 list(t) if isinstance(t, (list, tuple)) else [None] * len(a) if isinstance(a, (list, tuple)) else [t]
             )
-    with _running_rules(), _same_draws(ctx.random_state), _watch_draws(op, ctx, "jvp"):
+    state = ctx.random_state
+    with _running_rules(), _same_draws(state), _watch_draws(op, ctx, "jvp"):
         tangent_in = tuple(torch.zeros_like(leaves[i]) if flat[i] is None else flat[i] for i in where)
-        out = torch.func.jvp(fn, tuple(leaves[i] for i in where), tangent_in)
-    return out[1]
+        primals = tuple(leaves[i] for i in where)
+        if _forward_ad._current_level >= 0 and eager_transforms.JVP_NESTING == 0:
+            # Dual tensors (torch.autograd.forward_ad): torch.func.jvp cannot
+            # open a second dual level; the caller's is there to use.
+            out = fn(*[_forward_ad.make_dual(p, t) for p, t in zip(primals, tangent_in)])
+            unpacked = [_forward_ad.unpack_dual(o) for o in pytree.tree_leaves(out)]
+            primal_out = [u.primal for u in unpacked]
+            tangent_out = pytree.tree_unflatten(
+                [u.tangent if u.tangent is not None else torch.zeros_like(u.primal) for u in unpacked],
+                pytree.tree_structure(out),
+            )
+        else:
+            out, tangent_out = torch.func.jvp(fn, primals, tangent_in)  # type: ignore[misc]
+            primal_out = pytree.tree_leaves(out)
+        # NOTE [A companion draws what its forward drew]
+        if (
+            state is not None
+            and _runs_fwd(op)
+            and not _tracing()
+            and _differ(primal_out, pytree.tree_leaves(ctx.output))
+        ):
+            raise _redrawn(op, "jvp")
+    return tangent_out
 
 
 # ---------------------------------------------------- the batched kernel
