@@ -133,7 +133,10 @@ def _marked_non_differentiable(
     # (forward mode only, and only for ops with register_autograd).
     setup = op._setup_context_fn
     assert setup is not None  # (the caller checked)
-    inputs = tuple(map(_primal, positional)) + tuple(_primal(kwargs[k]) for k in op._ab.kwarg_only if k in kwargs)
+    values = _with_defaults(op, positional, kwargs)
+    if values is None:
+        return set()
+    inputs = tuple(_primal(a) for a in values)
     ctx = BackwardContext(tuple(isinstance(a, torch.Tensor) for a in inputs))
     primals = tuple([_primal(t) for t in o] if isinstance(o, list) else _primal(o) for o in outs)
     with torch.no_grad():
@@ -147,6 +150,26 @@ def _marked_non_differentiable(
     marked = ctx.non_differentiable or ()
     flat = [t for o in primals for t in (o if isinstance(o, list) else (o,))]
     return {k for k, t in enumerate(flat) if any(t is m for m in marked)}
+
+
+def _with_defaults(op: KernelSide, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[list[Any]]:
+    """Every argument in schema order, as setup_context receives them (torch leaves trailing defaults out).
+
+    None where a default left out is a dtype, layout or memory format: the
+    schema keeps those as ints, and setup_context must not see an int.
+    """
+    values = list(positional)
+    for a in op._opoverload._schema.arguments[len(positional) :]:
+        if a.kwarg_only and a.name in kwargs:
+            values.append(kwargs[a.name])
+            continue
+        if a.default_value is not None and any(k in str(a.real_type) for k in _ENUM_TYPES):
+            return None
+        values.append(a.default_value)
+    return values
+
+
+_ENUM_TYPES = ("ScalarType", "Layout", "MemoryFormat")
 
 
 def _is_differentiable(t: Any) -> bool:
