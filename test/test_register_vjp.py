@@ -586,5 +586,39 @@ class TestRegisterVjp(TestCase):
         self.assertIs(calls[0].target, self.op._opoverload)
 
 
+class TestRandomFwdDifferentiatedAgain(TestCase):
+    """NOTE [Second derivatives through residuals]: a rerun of a drawing fwd is an error, never other draws."""
+
+    def test_a_drawing_fwd_differentiated_again_raises(self):
+        @torch_autobatch.custom_op(unique_op_name("tab_vjp", "noisy"), mutates_args=())
+        def noisy(x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rand_like(x)
+
+        def fwd(x):
+            u = torch.rand_like(x)
+            return x * u, u
+
+        noisy.register_vjp(fwd, lambda u, g: 2 * g * u)
+        x = torch.randn(5, dtype=torch.float64)
+        leaf = x.clone().requires_grad_()
+        out = noisy(leaf)
+        u = (out / leaf).detach()
+        (g,) = torch.autograd.grad(out.sum(), leaf, retain_graph=True)  # a first derivative: the draw's
+        self.assertEqual(g, 2 * u)
+        paths = {
+            "create_graph": lambda: torch.autograd.grad(noisy(leaf).sum(), leaf, create_graph=True),
+            "grad(grad)": lambda: grad(lambda x: grad(lambda x: noisy(x).sum())(x).sum())(x),
+            "jacrev(jacrev)": lambda: jacrev(jacrev(lambda x: noisy(x).sum()))(x),
+        }
+        for path, run in paths.items():
+            # (jacrev's vmap refuses the draw itself, under its default randomness="error")
+            with self.assertRaisesRegex(
+                RuntimeError, "fwd of tab_vjp::noisy.* draws random|randomness error", msg=path
+            ):
+                run()
+        with self.assertRaisesRegex(RuntimeError, "fwd of tab_vjp::noisy.* draws random numbers"):
+            vmap(grad(lambda x: grad(lambda x: noisy(x).sum())(x).sum()), randomness="different")(x[None])
+
+
 if __name__ == "__main__":
     run_tests()

@@ -53,7 +53,7 @@ def _randomness(level: int) -> Any:
     return RandomnessType.Different
 
 
-class _RandomState:
+class RandomState:
     """The CPU generator's state and the arguments' devices' (NOTE [Per-example draws follow vmap's randomness]).
 
     Read, compared and put back with no dispatch mode on: under a tracer's
@@ -79,7 +79,7 @@ class _RandomState:
                 set_device_states(self.devices, self.device_states)
 
     def changed(self, leaves: list[Any]) -> bool:
-        now = _RandomState(leaves)
+        now = RandomState(leaves)
         with _no_modes():
             return any(
                 not torch.equal(a.cpu(), b.cpu())
@@ -185,7 +185,7 @@ def _loop(
         return pytree.tree_flatten(fn(*pytree.tree_unflatten([t for t, _ in leaves], spec)))
     level, size = levels[0], sizes[0]
     randomness = _randomness(level)  # NOTE [Per-example draws follow vmap's randomness]
-    state = None if randomness == RandomnessType.Different else _RandomState(plain)
+    state = None if randomness == RandomnessType.Different else RandomState(plain)
     examples = []
     for b in range(size):
         if b and randomness == RandomnessType.Same:

@@ -43,7 +43,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _C, _closure, _compile, _sac, _vmap_presets
-from ._per_example import per_example
+from ._per_example import RandomState, per_example
 from ._vjp_check import check_fwd_output, forget_checks, fwd_name
 
 if TYPE_CHECKING:
@@ -177,8 +177,21 @@ def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
     itself differentiated w.r.t. the inputs, so first derivatives never pay.
     """
     positional, kwargs = op._split_args(inputs)
+    leaves = pytree.tree_leaves(inputs)
+    before = RandomState(leaves)
     with torch.enable_grad():
         _, residuals = run_fwd(op, positional, kwargs, check=False)  # checked when it first ran
+    if before.changed(leaves):
+        # NOTE [Second derivatives through residuals]: the rerun is fwd's forward again; one that
+        # drew random numbers differentiates other draws than the forward's (a silent wrong value)
+        before.restore()
+        raise RuntimeError(
+            f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) draws random numbers, and its "
+            f"backward is being differentiated again (create_graph=True, grad(grad), hessian, jacrev(jacrev)), "
+            f"which runs fwd again to give its residuals their history: it would draw other numbers than "
+            f"the forward did, and the derivative would belong to them. Draw the random numbers outside the "
+            f"op and pass them to it as an argument, or take first derivatives only."
+        )
     return residuals
 
 
