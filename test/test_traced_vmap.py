@@ -662,7 +662,9 @@ class TestTracedRandomOpDerivatives(TestCase):
     def _check(self, op, error, derivative):
         x = torch.rand(6, 5, dtype=DTYPE) + 1  # no zero: u = out / x
         if error:
-            with self.assertRaisesRegex(torch_autobatch.TracedDrawError, f"{op._qualname} draws random numbers"):
+            # TracedDrawError, or register_vjp's own refusal to rerun a drawing fwd (test_register_vjp.py)
+            drew = f"{op._qualname} draws random numbers|the fwd of {op._qualname} .* draws random numbers"
+            with self.assertRaisesRegex(RuntimeError, drew):
                 derivative(x)
             return
         for _ in range(2):  # a second call draws anew, and is right again
