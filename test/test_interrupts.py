@@ -1,6 +1,6 @@
 """An exception that lands while an op is one vmap level down leaves the layer stack as it found it.
 
-NOTE [Popping levels, interruptibly] (torch_autobatch/_vmap_presets.py).
+NOTE [Popping levels, interruptibly] (torch_autobatch/_levels.py).
 A preset's call (``vmap="expand_dims"`` / ``"broadcast_all"``: forward,
 backward, jvp, register_vjp's fwd) and the tangents of a ``register_vmap``
 rule (``vmap(jvp(op))``) pop functorch's dynamic layers and push them back.

@@ -45,7 +45,7 @@ from ._autograd import BackwardContext
 from ._custom_op import CustomOpDef, custom_op
 from ._lift import LiftedFunction, from_function
 from ._trace_fx import TraceGraphs
-from ._traced_vmap import TracedDrawError
+from ._traced_draws import TracedDrawError
 from ._tracer import Trace, current_trace, trace
 from ._upgrade import autobatch
 from ._version import __version__ as __version__

@@ -419,7 +419,7 @@ def dissolves_in_trace(overload: torch._ops.OpOverload) -> bool:
 # its dispatch, a vmap level and the op's batched kernel in Python on every
 # run of the graph, and a recompute of the forward in the backward, whose
 # random draws a traced graph cannot replay (NOTE [A traced recompute cannot
-# replay draws], _traced_vmap.py). AOTAutograd's tracer is recognised by its
+# replay draws], _traced_draws.py). AOTAutograd's tracer is recognised by its
 # functionalization mode (FunctionalTensorMode), while not exporting:
 # torch.export and make_fx graphs may be differentiated later, and keep the
 # companion. A vmap="loop" op keeps it too (its loop would put B calls in

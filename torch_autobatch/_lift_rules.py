@@ -11,6 +11,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from . import _C
+from ._levels import Popped, restore
 from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
 from ._per_example import DrewUnderError, per_example
 
@@ -156,8 +157,8 @@ def _forward_below_this_level(fwd: Callable[..., Any], inputs: tuple[Any, ...]) 
     leaves torch, through numpy, could not even run on this level's
     wrappers); levels outside keep theirs, so they still differentiate what
     the jvp computes (jvp(jvp), hessian). The level is popped inside the
-    ``try`` that pushes it back, so an exception anywhere leaves the stack
-    as it was.
+    ``try`` that pushes it back (NOTE [Popping levels, interruptibly]), so an
+    exception anywhere leaves the stack as it was.
     """
     functorch = torch._C._functorch
     interpreter = functorch.peek_interpreter_stack()
@@ -166,14 +167,13 @@ def _forward_below_this_level(fwd: Callable[..., Any], inputs: tuple[Any, ...]) 
             return fwd(*inputs)[1]
     level = interpreter.level()
     inputs = pytree.tree_map_only(_Tensor, lambda t: functorch._unwrap_for_grad(t, level), inputs)
-    popped: list[Any] = []
+    popped = Popped()
     try:
-        popped.append(functorch.pop_dynamic_layer_stack())
+        popped.one()
         with torch.no_grad():
             return fwd(*inputs)[1]
     finally:
-        if popped:
-            functorch.push_dynamic_layer_stack(popped.pop())
+        restore(popped.back)
 
 
 def _mark_as_forward_did(ctx: Any, output: Any, residuals: Residuals) -> None:
