@@ -72,9 +72,7 @@ def _save_in_out(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(inputs[0], output)
 
 
-loop_noise.register_autograd(
-    lambda ctx, g: g * ctx.saved_tensors[1] / ctx.saved_tensors[0], setup_context=_save_in_out
-)
+loop_noise.register_autograd(lambda ctx, g: g * ctx.saved_tensors[1] / ctx.saved_tensors[0], setup_context=_save_in_out)
 
 
 @torch_autobatch.custom_op(f"{NS}::vjp_noise", mutates_args=(), vmap="loop")

@@ -82,6 +82,8 @@ def transpose_backward(
     except OnceDifferentiableError:
         raise
     except (RuntimeError, NotImplementedError, TypeError) as e:
+        if type(e) not in (RuntimeError, NotImplementedError, TypeError):
+            raise  # a user's own exception (a subclass) goes on unchanged; torch's are these types
         raise type(e)(
             f"{e}\ntorch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
             f"staticmethod, so its forward mode is the transpose of its backward, which needs the "

@@ -397,9 +397,8 @@ def _vmapped(op: KernelSide, n: int, args: tuple[Any, ...]) -> Any:
             return type(o)(unbatched(e) for e in o) if isinstance(o, (list, tuple)) else o
 
         return unbatched(out)
-    finally:
-        if _ft.get_dynamic_layer_stack_depth() > depth:
-            _ft._vmap_decrement_nesting()
+    finally:  # one C call: pops (and undoes) the level if it was pushed, nothing else
+        _ft.pop_dynamic_layer_stack_and_undo_to_depth(depth)
 
 
 def _tensor_leaves(args: Sequence[Any]) -> list[Any]:
