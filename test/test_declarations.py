@@ -260,9 +260,18 @@ class TestDeclarationsGovern(TestCase):
                         self.assertIn(name, str(e))  # refused: the error names the class
                         continue
                     self.assertEqual(forward, jacrev(fk)(x), msg=f"{name} ({how}): jacfwd != jacrev, output {k}")
-                # vmap(grad) == a loop of grad
+                # vmap(grad) == a loop of grad; vmap(jvp) == a loop of jvp
                 X = torch.stack([x, -0.5 * x, 1.5 * x])
                 self.assertEqual(vmap(grad(s))(X), torch.stack([grad(s)(xi) for xi in X]))
+                T = torch.randn_like(X)
+                tangents = lambda x, t: tuple(_floats(jvp(f, (x,), (t,))[1]))  # noqa: E731
+                try:
+                    batched = vmap(tangents)(X, T)
+                except RuntimeError as e:
+                    self.assertIn(name, str(e))
+                else:
+                    looped = [tangents(xi, ti) for xi, ti in zip(X, T)]
+                    self.assertEqual(batched, tuple(torch.stack(c) for c in zip(*looped)))
                 if not second_order:
                     continue
                 # hessian (forward over reverse) == jacrev(jacrev) == finite differences of the class's gradient

@@ -171,9 +171,26 @@ def _forward_below_this_level(fwd: Callable[..., Any], inputs: tuple[Any, ...]) 
     try:
         popped.one()
         with torch.no_grad():
-            return fwd(*inputs)[1]
+            return _forward_or_per_example(fwd, inputs)
     finally:
         restore(popped.back)
+
+
+def _forward_or_per_example(fwd: Callable[..., Any], inputs: tuple[Any, ...]) -> Residuals:
+    """``fwd``'s residuals; once per example where the forward cannot run on tensors a vmap batches (numpy).
+
+    NOTE [Once per example, in Python] (_per_example.py), as the op's own
+    vmap="loop" runs that forward.
+    """
+    try:
+        return fwd(*inputs)[1]
+    except (RuntimeError, NotImplementedError):
+        functorch = torch._C._functorch
+        if not any(functorch.is_batchedtensor(t) for t in pytree.tree_leaves(inputs) if isinstance(t, _Tensor)):
+            raise
+    cls = getattr(getattr(fwd, "__self__", None), "cls", None)  # (a lifted class's _Kernel.fwd)
+    what = f"{cls.__qualname__}.forward" if cls is not None else "the forward"
+    return per_example(lambda *a: fwd(*a)[1], inputs, what)
 
 
 def _mark_as_forward_did(ctx: Any, output: Any, residuals: Residuals) -> None:
