@@ -397,12 +397,13 @@ def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...], tensors: tuple[int, ...
     ``tensors``: the positions of the Tensor arguments (a list of tensors
     cannot be returned as an output).
     """
-    # (below autograd a view has no _base: compare storages)
+    # (below autograd a view has no _base: compare storages; a BatchedTensor has none of its own)
     fresh = None
     for i, o in enumerate(outs):
+        physical = _underlying(o) if _is_wrapped(o) else None
         for k in tensors:
             a = args[k]
-            if o is a or _is_alias_of(_underlying(o), _underlying(a)):
+            if o is a or (_is_alias_of(o, a) if physical is None else _is_alias_of(physical, _underlying(a))):
                 fresh = fresh or list(outs)
                 fresh[i] = o.clone()
                 break
