@@ -18,6 +18,7 @@ calls are counted: one per vmap level, never one per example.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -309,6 +310,189 @@ class TestPresetForwardMode(TestCase):
         # jvp of vmap, and jacfwd (which vmaps the tangents).
         self.assertEqual(jvp(lambda x: vmap(op, in_dims=(0, None))(x, w), (x,), (t,))[1], got)
         self.assertEqual(torch.func.jacfwd(op)(x[0], w), torch.diag(3 * torch.cos(x[0]) * w))
+
+
+# ------------------------------------------------------------ random draws
+# NOTE [A preset's draws follow vmap's randomness]. Each op draws in one place
+# (its forward kernel, backward, jvp, or register_vjp's fwd); on ones, every
+# result row is that place's draws. The oracle is the plain function that
+# draws, under the same transform: "error" raises functorch's error, and so
+# must the op, naming itself and what drew; "different" gives every example
+# other numbers, and so must the op. "same" shares the plain function's draws,
+# which one call over the batch cannot do: the op must raise, never run.
+RANDOMNESS = ("error", "same", "different")
+
+
+def _torch_noise(x: torch.Tensor) -> torch.Tensor:
+    return torch.rand(x.shape, dtype=x.dtype)
+
+
+def _numpy_noise(x: torch.Tensor) -> torch.Tensor:
+    # A numpy kernel that draws from torch's generator (seeded by it).
+    rng = np.random.default_rng(int(torch.randint(0, 2**62, ())))
+    return torch.from_numpy(rng.random(tuple(x.shape))).to(x.dtype)
+
+
+NOISE = {"torch": _torch_noise, "numpy": _numpy_noise}
+
+
+def plain_draw(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rand(x.shape, dtype=x.dtype)
+
+
+@functools.cache
+def make_drawing_op(preset: str, where: str, noise: str = "torch") -> Any:
+    """An op under ``preset`` whose ``where`` (forward, backward, jvp, fwd) draws, and nothing else."""
+    draw = NOISE[noise]
+    name = unique_op_name(NS, f"draw_{where}_{noise}_{preset}")
+    if where == "fwd":
+        op = torch_autobatch.custom_op(
+            name, lambda x: x * 0.5, mutates_args=(), vmap=preset, schema="(Tensor x) -> Tensor"
+        )
+        op.register_vjp(lambda x: (x * 0.5, draw(x)), lambda noise, g: g * noise)
+        return op
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * draw(x) if where == "forward" else x * 0.5
+
+    op = torch_autobatch.custom_op(name, fn, mutates_args=(), vmap=preset, schema="(Tensor x) -> Tensor")
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0], output)
+
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        x, out = ctx.saved_tensors
+        return g * draw(g) if where == "backward" else g * out / x
+
+    def setup_forward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_forward(inputs[0], output)
+
+    def jvp_rule(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        x, out = ctx.saved_tensors
+        return t * draw(t) if where == "jvp" else t * out / x
+
+    op.register_autograd(backward, setup_context=setup_context)
+    op.register_jvp(jvp_rule, setup_context=setup_forward)
+    return op
+
+
+#: The transforms under which each place draws (vmap_vmap: every pair of flags).
+DRAW_TRANSFORMS = {
+    "forward": ("vmap", "vmap_grad", "grad_vmap", "vmap_jvp", "jvp_vmap", "vmap_vmap"),
+    "backward": ("vmap_grad", "grad_vmap"),
+    "fwd": ("vmap_grad", "grad_vmap"),
+    "jvp": ("vmap_jvp", "jvp_vmap"),
+}
+
+
+def _run_draw(f: Any, transform: str, randomness: tuple[str, ...], b: int = 4, d: int = 3) -> torch.Tensor:
+    """The transform of ``f`` on ones: one row per example (outer-major for vmap_vmap)."""
+    torch.manual_seed(0)
+    r = randomness[0]
+    x, t = torch.ones(b, d, dtype=DTYPE), torch.ones(b, d, dtype=DTYPE)
+    if transform == "vmap":
+        return vmap(f, randomness=r)(x)
+    if transform == "vmap_grad":
+        return vmap(grad(lambda v: f(v).sum()), randomness=r)(x)
+    if transform == "grad_vmap":
+        return grad(lambda v: vmap(f, randomness=r)(v).sum())(x)
+    if transform == "vmap_jvp":
+        return vmap(lambda v, u: jvp(f, (v,), (u,))[1], randomness=r)(x, t)
+    if transform == "jvp_vmap":
+        return jvp(vmap(f, randomness=r), (x,), (t,))[1]
+    assert transform == "vmap_vmap"
+    outer, inner = randomness
+    out = vmap(vmap(f, randomness=inner), randomness=outer)(torch.ones(3, b, d, dtype=DTYPE))
+    return out.reshape(3 * b, d)
+
+
+def _draw_outcome(f: Any, transform: str, randomness: tuple[str, ...]) -> tuple[str, Any]:
+    """("raises", the message), or ("equal pairs", which examples came out equal)."""
+    try:
+        rows = _run_draw(f, transform, randomness)
+    except RuntimeError as e:
+        return "raises", str(e)
+    n = rows.shape[0]
+    return "equal pairs", frozenset((i, j) for i in range(n) for j in range(i + 1, n) if torch.equal(rows[i], rows[j]))
+
+
+def _make_draw_test(preset: str, where: str, noise: str, transform: str, randomness: tuple[str, ...]) -> Any:
+    def test(self: TestCase) -> None:
+        op = make_drawing_op(preset, where, noise)
+        expected = _draw_outcome(plain_draw, transform, randomness)
+        got = _draw_outcome(op, transform, randomness)  # seeds 0 first
+        self.assertIsNone(torch._C._functorch.maybe_current_level())
+        what = re.escape(f"torch_autobatch: {op._qualname} (vmap={preset!r}) drew random numbers in its {where}")
+        if "error" in randomness:
+            self.assertEqual(expected[0], "raises")
+            self.assertEqual(got[0], "raises", "the plain function raises under randomness='error'; the op ran")
+            self.assertRegex(got[1], r"^vmap: called random operation while in randomness error mode\.|" + what)
+            self.assertRegex(got[1], what)
+        elif "same" in randomness:
+            self.assertEqual(expected[0], "equal pairs")  # the plain function shares its draws
+            self.assertEqual(got[0], "raises", "one call over the batch cannot share draws: it must raise")
+            self.assertRegex(got[1], what + r".*randomness='same'.*randomness='different'.*vmap='loop'")
+        else:
+            self.assertEqual(expected, ("equal pairs", frozenset()))
+            self.assertEqual(got, expected, "the examples of randomness='different' must draw other numbers")
+            return
+        # The op raised: the generator is as it was, as the plain function leaves it.
+        after = torch.get_rng_state()
+        torch.manual_seed(0)
+        self.assertEqual(after, torch.get_rng_state())
+
+    return test
+
+
+@instantiate_parametrized_tests
+class TestPresetRandomness(TestCase):
+    """One test per preset x place that draws x kernel x transform x randomness (generated below)."""
+
+    @parametrize("preset", PRESETS)
+    @parametrize("randomness", RANDOMNESS)
+    def test_no_draw_runs_and_leaves_the_generator(self, preset: str, randomness: str) -> None:
+        op = make_op("numpy", preset, "vjp")
+        x, w, _ = inputs()
+        state = torch.get_rng_state()
+        self.assertEqual(vmap(op, in_dims=(0, None), randomness=randomness)(x, w), plain(x, w))
+        self.assertEqual(vmap(grad(lambda x: op(x, w).sum()), randomness=randomness)(x), twice_grads(x, w)[0])
+        self.assertEqual(torch.get_rng_state(), state)
+
+    @parametrize("preset", PRESETS)
+    def test_a_draw_at_an_unbatched_same_level_is_shared(self, preset: str) -> None:
+        # The backward runs below both vmaps; the outer one ("same") batches none
+        # of its arguments, so its one call has no dim for that level: its draws
+        # are shared along it, as asked, and nothing is raised.
+        op = make_drawing_op(preset, "backward")
+        x = torch.ones(4, 3, dtype=DTYPE)
+        inner = vmap(grad(lambda v: op(v).sum()), randomness="different")
+        out = vmap(lambda _: inner(x), randomness="same")(torch.ones(2))
+        self.assertEqual(out[0], out[1])
+        self.assertNotEqual(out[0, 0], out[0, 1])
+        with self.assertRaisesRegex(RuntimeError, "randomness error mode"):
+            vmap(lambda _: inner(x), randomness="error")(torch.ones(2))
+
+
+def _add_draw_tests() -> None:
+    for preset in PRESETS:
+        for where, transforms in DRAW_TRANSFORMS.items():
+            for noise in ("torch", "numpy") if where == "forward" else ("torch",):
+                for transform in transforms:
+                    if noise == "numpy" and transform not in ("vmap", "vmap_grad"):
+                        continue
+                    flags = (
+                        [(r,) for r in RANDOMNESS]
+                        if transform != "vmap_vmap"
+                        else [(a, b) for a in RANDOMNESS for b in RANDOMNESS]
+                    )
+                    for randomness in flags:
+                        name = f"test_{preset}__{where}__{noise}__{transform}__{'_'.join(randomness)}"
+                        setattr(
+                            TestPresetRandomness, name, _make_draw_test(preset, where, noise, transform, randomness)
+                        )
+
+
+_add_draw_tests()
 
 
 class TestPresetContract(TestCase):
