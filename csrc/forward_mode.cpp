@@ -36,6 +36,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstring>
 #include <sstream>
 
 namespace torch_autobatch {
@@ -70,6 +71,19 @@ RngStates RngStates::current() const {
     now.add(s.first);
   }
   return now;
+}
+
+bool RngStates::changed() const {
+  for (const auto& [gen, before] : states_) {
+    at::Generator g = gen;
+    std::lock_guard<std::mutex> lock(g.mutex());
+    const at::Tensor now = g.get_state();
+    if (now.nbytes() != before.nbytes() ||
+        std::memcmp(now.const_data_ptr(), before.const_data_ptr(), before.nbytes()) != 0) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void RngStates::restore() const {

@@ -24,6 +24,9 @@ class RngStates {
   // The same generators' states now.
   RngStates current() const;
   void restore() const;
+  // Whether any of the generators moved since (byte for byte, no dispatch:
+  // under a tracer's fake mode the states are real CPU tensors all the same).
+  bool changed() const;
 
  private:
   RngStates() = default;

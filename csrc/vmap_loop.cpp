@@ -92,58 +92,6 @@ void run_loop_empty(
   }
 }
 
-// NOTE [A loop's draws under randomness="error"]
-// One example's call runs below the vmap level, where functorch does not see
-// a random op: under vmap(..., randomness="error") (vmap's default), the
-// plain function would raise at its first draw, and the loop drew silently.
-// So the states of the generators the examples draw from (the CPU one and
-// each input device's default one, as RngStates keeps for "same") are read
-// before the loop and compared after it: any change is functorch's error,
-// naming the op. Reading them costs microseconds per loop, not per op.
-class GeneratorStates {
- public:
-  explicit GeneratorStates(const std::vector<at::Tensor>& inputs) {
-    add(at::detail::getDefaultCPUGenerator());
-    for (const auto& t : inputs) {
-      if (t.defined() && !t.is_cpu() && t.device().type() != c10::DeviceType::Meta) {
-        try {
-          add(at::globalContext().defaultGenerator(t.device()));
-        } catch (const c10::Error&) {
-          // A device without a default generator draws no random numbers.
-        }
-      }
-    }
-  }
-  // Compared byte for byte, with no dispatch: under a tracer's fake mode
-  // (torch.compile) the states are real CPU tensors all the same.
-  bool changed() const {
-    for (const auto& [gen, before] : states_) {
-      const at::Tensor now = state_of(gen);
-      if (now.nbytes() != before.nbytes() ||
-          std::memcmp(now.const_data_ptr(), before.const_data_ptr(), before.nbytes()) != 0) {
-        return true;
-      }
-    }
-    return false;
-  }
-
- private:
-  static at::Tensor state_of(const at::Generator& gen) {
-    at::Generator g = gen;
-    std::lock_guard<std::mutex> lock(g.mutex());
-    return g.get_state();
-  }
-  void add(const at::Generator& gen) {
-    for (const auto& s : states_) {
-      if (s.first == gen) {
-        return;
-      }
-    }
-    states_.emplace_back(gen, state_of(gen));
-  }
-  std::vector<std::pair<at::Generator, at::Tensor>> states_;
-};
-
 } // namespace
 
 using functorch::DynamicLayer;
@@ -280,11 +228,22 @@ void run_companion(const OpState& state, const c10::OperatorHandle& op, torch::j
 }
 
 namespace {
+// NOTE [A loop's draws under randomness="error"]
+// One example's call runs below the vmap level, where functorch does not see
+// a random op: under vmap(..., randomness="error") (vmap's default), the
+// plain function would raise at its first draw, and the loop drew silently.
+// So the states of the generators the examples draw from (the CPU one and
+// each input device's default one: RngStates, as for "same") are read
+// before the loop and compared after it (RngStates::changed): any change is
+// functorch's error, naming the op. Reading them costs microseconds per
+// loop, not per op.
+//
 // randomness="same": every example draws the numbers the first one drew;
-// "error": none may draw (NOTE [A loop's draws under randomness="error"]).
+// "error": none may draw.
 class LoopDraws {
  public:
-  LoopDraws(RandomnessType randomness, const std::vector<c10::IValue>& args) {
+  LoopDraws(RandomnessType randomness, const std::vector<c10::IValue>& args)
+      : same_(randomness == RandomnessType::Same) {
     if (randomness == RandomnessType::Different) {
       return;
     }
@@ -295,22 +254,18 @@ class LoopDraws {
         return t;
       });
     }
-    if (randomness == RandomnessType::Same) {
-      rng_before_.emplace(tensors);
-    } else {
-      draws_before_.emplace(tensors);
-    }
+    before_.emplace(tensors);
   }
 
-  void before_example(int64_t b) {
-    if (rng_before_ && b > 0) {
-      rng_before_->restore();
+  void before_example(int64_t b) const {
+    if (same_ && b > 0) {
+      before_->restore();
     }
   }
 
   void check(const OpState& state) const {
     TORCH_CHECK(
-        !draws_before_ || !draws_before_->changed(),
+        same_ || !before_ || !before_->changed(),
         "vmap: called random operation while in randomness error mode. Please either use the "
         "'same' or 'different' randomness flags on vmap or perform the randomness operation out "
         "of vmap. torch_autobatch: the function of ",
@@ -320,8 +275,8 @@ class LoopDraws {
   }
 
  private:
-  std::optional<RngStates> rng_before_;
-  std::optional<GeneratorStates> draws_before_;
+  bool same_;
+  std::optional<RngStates> before_;
 };
 } // namespace
 
