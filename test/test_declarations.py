@@ -22,6 +22,7 @@ ceed720 under at least one of these transforms, without an error.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -508,6 +509,27 @@ class TestArgumentsAsPassed(TestCase):
         kinds = {k for k, _ in SEEN}
         self.assertTrue({"forward", "vmap", "jvp", "backward"} <= kinds, kinds)
         self.assertEqual({t for _, t in SEEN}, {tuple}, SEEN)
+
+
+class TestAnotherThread(TestCase):
+    def test_the_transposed_jvp_and_the_once_error_on_another_thread(self):
+        x = torch.randn(3, 4, dtype=DT)
+        with lifted(Doubled, "from_function") as f, lifted(OnceCube, "from_function") as once:
+            expected = jacfwd(f)(x)
+            results: list[Any] = []
+
+            def run() -> None:
+                results.append(jacfwd(f)(x))
+                try:
+                    hessian(lambda x: once(x).sum())(x[0])
+                except RuntimeError as e:
+                    results.append(str(e))
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+            self.assertEqual(results[0], expected)
+            self.assertIn("backward is decorated with @once_differentiable", results[1])
 
 
 instantiate_parametrized_tests(TestDeclarationsGovern)
