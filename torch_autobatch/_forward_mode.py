@@ -53,16 +53,42 @@ def run_jvp(
     return result
 
 
+# NOTE [A jvp reads ctx.saved_for_forward]
+# torch's autograd.Function hands its jvp what setup_context gave
+# ctx.save_for_forward two ways: as ctx.saved_tensors and as the attribute
+# ctx.saved_for_forward itself, and new-style classes written for torch.func
+# read either. So the jvp sees both, holding the same tensors for the call's
+# duration (under a vmap preset, the tensors the preset peeled: what it sees
+# as ctx.saved_tensors); without save_for_forward, saved_for_forward stays
+# None, and saved_tensors is what save_for_backward saved.
 def _call_jvp(jvp_fn: Any, ctx: BackwardContext, tangents: tuple[Any, ...], op: KernelSide) -> Any:
     """Calls the user's jvp with what setup_context saved for it."""
+    for_forward = ctx.saved_for_forward is not None
     saved = ctx.saved_for_forward
     if saved is None:
         saved = ctx.to_save
         check_saveable("save_for_backward", saved or ())
     ctx.to_save = ctx.saved_for_forward = None
+    saved = saved if saved is not None else ()
+    if for_forward:  # NOTE [A jvp reads ctx.saved_for_forward]
+        jvp_fn = _reading_saved_for_forward(jvp_fn)
     if op._ab.vmap_preset is not None:  # NOTE [vmap presets: the calling convention]
-        return _vmap_presets.call_jvp(op, jvp_fn, ctx, saved if saved is not None else (), tangents)
-    return _C._call_with_saved_tensors(jvp_fn, ctx, saved if saved is not None else (), *tangents)
+        return _vmap_presets.call_jvp(op, jvp_fn, ctx, saved, tangents)
+    return _C._call_with_saved_tensors(jvp_fn, ctx, saved, *tangents)
+
+
+def _reading_saved_for_forward(jvp_fn: Any) -> Callable[..., Any]:
+    """``jvp_fn`` with ``ctx.saved_for_forward == ctx.saved_tensors`` for the call (NOTE [A jvp reads ctx.saved_for_forward])."""
+
+    def jvp(ctx: BackwardContext, *tangents: Any) -> Any:
+        ctx.saved_for_forward = tuple(ctx.saved_tensors)
+        try:
+            return jvp_fn(ctx, *tangents)
+        finally:
+            ctx.saved_for_forward = None
+
+    jvp.__qualname__ = getattr(jvp_fn, "__qualname__", "jvp")
+    return jvp
 
 
 def composite_tangents(

@@ -145,6 +145,8 @@ def _legacy_jvp_setup_context(fwd: Callable[..., Any]) -> Callable[..., None]:
         r = _unpack(residuals)
         saved = r.saved_for_forward if r.saved_for_forward is not None else r.saved
         ctx.replay = _ReplayCtx(saved, r.attributes, tuple(isinstance(a, _Tensor) for a in inputs))
+        if r.saved_for_forward is not None:  # NOTE [A jvp reads ctx.saved_for_forward] (_forward_mode.py)
+            ctx.replay.saved_for_forward = saved
         _mark_as_forward_did(ctx, output, residuals)
 
     return setup_context
