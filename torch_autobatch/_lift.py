@@ -65,6 +65,7 @@ from ._lift_kinds import (
     restoring_setup_context,
     restoring_vmap_rule,
 )
+from ._lift_outputs import fresh_outputs, fresh_vmap_rule
 from ._lift_probe import _Probe, _probe
 from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, _legacy_jvp_setup_context, once_checked
 from ._lift_transpose import legacy_transposed_jvp, new_style_transposed_jvp
@@ -76,6 +77,7 @@ _is_compiling = torch.compiler.is_compiling
 _BOUND_METHODS = (types.MethodType, types.BuiltinMethodType)
 
 _Tensor = torch.Tensor
+_TENSORS = ("Tensor", "Tensor?")  # the element kinds of a list of tensors
 
 
 # ------------------------------------------------------------------- classes
@@ -306,6 +308,7 @@ class _Kernel:
         self.restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
         self.tensor_args = tuple(k == "Tensor" for k in kinds)  # a legacy forward's ctx.needs_input_grad
         self.tensor_positions = tuple(i for i, k in enumerate(kinds) if k == "Tensor")
+        self.tensor_lists = tuple(i for i, k in enumerate(kinds) if not isinstance(k, str) and k[1] in _TENSORS)
         self.single = num_outputs == 1
         # what the op shows of its function (inspect.signature, help(), error messages)
         self.__signature__ = inspect.Signature(
@@ -323,13 +326,16 @@ class _Kernel:
         ctx = _new(_RecordingCtx)
         ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
-        outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
+        returned = out if isinstance(out, tuple) else (out,)
+        # NOTE [A lifted op's outputs alias nothing] (_lift_outputs.py)
+        outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
         if ctx.dirty_tensors:
             raise _MarkDirty(_mark_dirty_message(self.cls))
         if ctx.non_differentiable or not ctx.materialize_grads:
             # ctx's marks, applied by a hook in setup_context from the first call that makes any
             self.extras.vjp_setup_hook = _apply_marks
-        return (outs[0] if self.single else outs), _residuals(ctx, outs)
+        # (marks name the tensors forward returned: they are found among those, not the copies)
+        return (outs[0] if self.single else outs), _residuals(ctx, returned)
 
     def __call__(self, *args: Any) -> Any:
         """The op's function."""
@@ -337,7 +343,7 @@ class _Kernel:
             return self.fwd(*args)[0]  # nothing differentiated: the residuals are dropped
         real = _restore(self.kinds, args) if self.restore else args
         out = self.forward(*real)
-        outs = _fresh(out if isinstance(out, tuple) else (out,), real, self.tensor_positions)
+        outs = fresh_outputs(out if isinstance(out, tuple) else (out,), args, self.tensor_positions, self.tensor_lists)
         return outs[0] if self.single else outs
 
 
@@ -386,40 +392,10 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
             jvp, jvp_setup_context = legacy_transposed_jvp(cls, backward, fwd, n_in)
             op.register_jvp(jvp, setup_context=jvp_setup_context)
     if _defined_by_user(cls, "vmap"):
-        op.register_vmap(restoring_vmap_rule(cls.vmap, kinds))
+        rule = restoring_vmap_rule(cls.vmap, kinds)
+        op.register_vmap(fresh_vmap_rule(rule, kernel.tensor_positions, kernel.tensor_lists))
     op._ab.registration.set_cast_grad_dtypes(True)  # as autograd casts a Function's gradients
     return op
-
-
-def _fresh(outs: tuple[Any, ...], args: tuple[Any, ...], tensors: tuple[int, ...]) -> tuple[Any, ...]:
-    """An operator's outputs are new tensors: a forward that returns an input (or a view of one) returns a copy.
-
-    ``tensors``: the positions of the Tensor arguments (a list of tensors
-    cannot be returned as an output).
-    """
-    # (below autograd a view has no _base: compare storages; a BatchedTensor has none of its own)
-    fresh = None
-    for i, o in enumerate(outs):
-        physical = _underlying(o) if _is_wrapped(o) else None
-        for k in tensors:
-            a = args[k]
-            if o is a or (_is_alias_of(o, a) if physical is None else _is_alias_of(physical, _underlying(a))):
-                fresh = fresh or list(outs)
-                fresh[i] = o.clone()
-                break
-    return outs if fresh is None else tuple(fresh)
-
-
-_is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_get_unwrapped = torch._C._functorch.get_unwrapped
-
-
-def _underlying(t: Any) -> Any:
-    """``t`` without functorch's wrappers (a BatchedTensor has no storage of its own to compare)."""
-    while _is_wrapped(t):
-        t = _get_unwrapped(t)
-    return t
 
 
 # --------------------------------------------------------------- public API
