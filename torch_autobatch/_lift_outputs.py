@@ -38,7 +38,8 @@ _Tensor = torch.Tensor
 _is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _get_unwrapped = torch._C._functorch.get_unwrapped
-_any_alias = torch._C._any_output_is_alias_to_input_or_output
+# (torch.library's C++ check since torch 2.4; where a release lacks it, every call takes the loop)
+_any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
 _NO_KWARGS: dict[str, Any] = {}
 
 
@@ -64,7 +65,7 @@ def fresh_outputs(
     else:
         # Plain tensors (every call but vmap's): torch.library's own check, in C++, clears the
         # common call (nothing aliases) at less cost than the loop below.
-        if not _any_alias(args, _NO_KWARGS, outs):
+        if _any_alias is not None and not _any_alias(args, _NO_KWARGS, outs):
             return outs
     return _copied(outs, args, tensors, tensor_lists)
 
