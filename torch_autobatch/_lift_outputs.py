@@ -38,7 +38,7 @@ _Tensor = torch.Tensor
 _is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _get_unwrapped = torch._C._functorch.get_unwrapped
-# (torch.library's C++ check since torch 2.4; where a release lacks it, every call takes the loop)
+# (torch.library's C++ check; where a torch release lacks it, every call takes the loop)
 _any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
 _NO_KWARGS: dict[str, Any] = {}
 
