@@ -127,5 +127,6 @@ PYBIND11_MODULE(_C, m) {
       "what the kernels look up (NOTE [The Python side of the kernels]).");
   tab::bind_saved_tensors(m);
   tab::bind_vjp_residuals(m);
+  tab::bind_compiled_autograd(m);
   tab::bind_tracer(m);
 }

@@ -58,7 +58,25 @@ class CustomOpNode final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
   void release_variables() override;
 
+  // Compiled autograd (compiled_autograd.cpp): NOTE [Compiled autograd sees
+  // an autograd.Function].
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override;
+  torch::autograd::variable_list apply_with_saved(
+      const torch::autograd::variable_list& inputs,
+      torch::dynamo::autograd::SwapSavedVariables& saved) override;
+  // (return slots, argument slots, edges, returns_an_argument) for
+  // _compiled_autograd.CompiledNode. Requires the GIL.
+  py::tuple compiled_info() const;
+  // What apply returns for the user's backward's `result`, checked as apply
+  // checks it. Requires the GIL.
+  torch::autograd::variable_list checked_input_grads(py::handle result) const {
+    return unwrap_input_grads(result);
+  }
+
  private:
+  torch::autograd::variable_list record_backward_call(
+      const torch::autograd::variable_list& inputs,
+      torch::dynamo::autograd::SwapSavedVariables& saved);
   // The user's backward (CustomOpDef._run_backward) on `saved` and `grads`.
   torch::autograd::variable_list call_backward(
       const std::vector<at::Tensor>& saved,
@@ -103,6 +121,9 @@ class SavedTensorsScope {
 // Adds _C._SavedTensors (the type of BackwardContext.saved_tensors) and
 // _C._call_with_saved_tensors.
 void bind_saved_tensors(py::module_& m);
+// Adds _C._CustomOpNode, compiled autograd's view of a grad node
+// (compiled_autograd.cpp).
+void bind_compiled_autograd(py::module_& m);
 // register_vjp's per-call bookkeeping (vjp_residuals.cpp).
 void bind_vjp_residuals(py::module_& m);
 

@@ -82,6 +82,16 @@ struct SavedTree {
     return py::module_::import("torch.utils._pytree")
         .attr("tree_unflatten")(py::list(values), spec);
   }
+  // (leaves, ((leaf index, saved slot), ...), spec): what rebuild reads.
+  py::tuple parts() const {
+    py::tuple pairs = new_tuple(static_cast<Py_ssize_t>(slots.size()));
+    for (size_t i = 0; i < slots.size(); ++i) {
+      PyTuple_SET_ITEM(
+          pairs.ptr(), static_cast<Py_ssize_t>(i),
+          py::make_tuple(slots[i].first, slots[i].second).release().ptr());
+    }
+    return py::make_tuple(leaves, pairs, spec);
+  }
 };
 
 // A tensor's TensorImpl and the slot it was saved in.
@@ -195,6 +205,12 @@ class VjpCall {
   // The op's inputs (setup_context's `inputs`), given what the node saved.
   py::object inputs(const py::tuple& saved) const {
     return inputs_.rebuild(saved);
+  }
+  // How residuals() rebuilds the residuals, for a backward that Dynamo
+  // traces (NOTE [Compiled autograd sees an autograd.Function]), where
+  // nothing differentiates the backward again.
+  py::tuple residual_parts() const {
+    return residuals_.parts();
   }
 
  private:
@@ -383,7 +399,11 @@ void bind_vjp_residuals(py::module_& m) {
           "inputs(saved).")
       .def(
           "inputs", &VjpCall::inputs, py::arg("saved"),
-          "The op's inputs, given what the node saved.");
+          "The op's inputs, given what the node saved.")
+      .def(
+          "residual_parts", &VjpCall::residual_parts,
+          "(leaves, ((leaf index, saved slot), ...), pytree spec or None): how residuals() "
+          "rebuilds the residuals from what the node saved.");
   m.def(
       "_vjp_save", &VjpCall::save, py::arg("inputs"), py::arg("residuals"),
       "register_vjp's setup_context: (the tensors to save, the call's _VjpCall).");

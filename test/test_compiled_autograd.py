@@ -1,0 +1,278 @@
+"""``loss.backward()`` under compiled autograd runs each op's registered backward.
+
+Compiled autograd (``torch._dynamo.compiled_autograd``) records every node of
+the backward graph and compiles the whole backward. Our grad node presents
+itself as an ``autograd.Function``'s does (NOTE [Compiled autograd sees an
+autograd.Function], csrc/compiled_autograd.cpp). Every op here registers a
+backward twice the true derivative, so the compiled gradients match the
+plain oracle's (or the eager op's) only if the registered rule ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from ops import OPS, OPS_BY_NAME
+from oracles import DTYPE, twice_grad, unique_op_name
+from test_lift import lifted_in_place, make_numpy, make_rownorm, rownorm
+from test_register_vjp import plain as vjp_plain
+from test_vmap_presets import make_op as make_preset_op
+from test_vmap_presets import plain as preset_plain
+from torch._dynamo.utils import counters
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_autobatch
+
+NS = "tab_ca"
+
+
+@contextlib.contextmanager
+def compiled_autograd(backend: str = "aot_eager") -> Iterator[None]:
+    """Compiled autograd for the block, from a clean Dynamo cache; counts its graph breaks."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend=backend)):
+        yield
+    torch._dynamo.reset()
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _leaves(args: Any) -> list[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(args)
+    return [a for a in flat if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+
+def _fresh(args: Any, wrt: tuple[int, ...] | None) -> Any:
+    """The sample with fresh leaves that require grad: floating tensors (of the arguments ``wrt``)."""
+
+    def leaf(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.detach().clone().requires_grad_()
+        return a
+
+    return tuple(torch.utils._pytree.tree_map(leaf, a) if wrt is None or i in wrt else a for i, a in enumerate(args))
+
+
+def grads_of(
+    f: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    select: Any,
+    ca: str | None,
+    wrt: tuple[int, ...] | None = None,
+) -> list:
+    """``.grad`` of the floating inputs (of arguments ``wrt``) after ``loss.backward()``, compiled if ``ca``."""
+    args = _fresh(args, wrt)
+    outs = select(f(*args, **kwargs))
+    loss = sum((o * torch.linspace(0.5, 1.5, o.numel(), dtype=o.dtype).reshape(o.shape)).sum() for o in outs)
+    with compiled_autograd(ca) if ca else contextlib.nullcontext():
+        loss.backward()
+    return [a.grad for a in _leaves(args) if a.requires_grad]
+
+
+@instantiate_parametrized_tests
+class TestOpsUnderCompiledAutograd(TestCase):
+    @parametrize("name", [e.name for e in OPS])
+    def test_registered_backward_runs(self, name: str) -> None:
+        entry = OPS_BY_NAME[name]
+        (args, kwargs), *_ = entry.sample_inputs()
+        want = grads_of(entry.oracle, args, kwargs, entry.select, None)
+        got = grads_of(entry.op, args, kwargs, entry.select, "aot_eager")
+        self.assertEqual(got, want)
+        self.assertEqual(graph_breaks(), 0, "the backward was traced whole")
+        self.assertGreater(counters["compiled_autograd"]["captures"], 0)
+
+
+# ------------------------------------------------------------- op kinds
+def _rbf(k: float) -> torch_autobatch.CustomOpDef:
+    """A radial basis: exp(-(r - mu)^2), with a backward k times the true one, scaled by ctx.k."""
+
+    @torch_autobatch.custom_op(unique_op_name(NS, "rbf"), mutates_args=())
+    def rbf(r: torch.Tensor, mu: torch.Tensor, k: float) -> torch.Tensor:
+        return torch.exp(-((r.unsqueeze(-1) - mu) ** 2))
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        r, mu, k = inputs
+        ctx.save_for_backward(r, mu)
+        ctx.k = k
+
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        r, mu = ctx.saved_tensors
+        d = r.unsqueeze(-1) - mu
+        return ctx.k * (g * torch.exp(-(d**2)) * (-2 * d)).sum(-1), None, None
+
+    rbf.register_autograd(backward, setup_context=setup)
+    return rbf
+
+
+RBF = _rbf(2.0)
+
+
+def rbf_plain(r: torch.Tensor, mu: torch.Tensor, k: float) -> torch.Tensor:
+    from oracles import scale_derivative
+
+    return torch.exp(-((scale_derivative(r, k).unsqueeze(-1) - mu) ** 2))
+
+
+class TestOpKinds(TestCase):
+    def _check(self, f: Callable[..., Any], oracle: Callable[..., Any], *args: Any, breaks: int | None = 0) -> None:
+        want = grads_of(oracle, args, {}, lambda o: (o,), None)
+        got = grads_of(f, args, {}, lambda o: (o,), "aot_eager")
+        self.assertEqual(got, want)
+        if breaks is not None:
+            self.assertEqual(graph_breaks(), breaks)
+
+    def test_register_vjp(self) -> None:
+        from test_register_vjp import make_op as make_vjp_op
+
+        op = make_vjp_op()
+        x, w = torch.randn(4, 3, dtype=DTYPE), torch.randn(3, dtype=DTYPE)
+        self._check(op, vjp_plain, x, w, breaks=None)
+
+    def test_preset_with_numpy_backward_runs_eagerly_between_graphs(self) -> None:
+        op = make_preset_op("numpy", "expand_dims")
+        x, w = torch.randn(4, 3, dtype=DTYPE), torch.randn(3, dtype=DTYPE)
+        self._check(op, twice_grad(preset_plain), x, w, breaks=None)
+        self.assertGreater(graph_breaks(), 0, "numpy cannot be traced: it runs eagerly")
+
+    def test_lifted_legacy_function(self) -> None:
+        cls = make_rownorm(2.0)
+        x, w = torch.randn(4, 5, dtype=DTYPE), torch.randn(5, dtype=DTYPE)
+        with lifted_in_place(cls):
+            self._check(lambda x, w: cls.apply(x, w, 1e-6), twice_grad(lambda x, w: rownorm(x, w, 1e-6)), x, w)
+
+    def test_lifted_numpy_forward(self) -> None:
+        cls = make_numpy(2.0)
+        with lifted_in_place(cls):
+            self._check(cls.apply, twice_grad(torch.sin), torch.randn(6, dtype=DTYPE), breaks=None)
+
+    def test_lifted_new_style_function(self) -> None:
+        class Cube(torch.autograd.Function):
+            @staticmethod
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                return x**3
+
+            @staticmethod
+            def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                ctx.save_for_backward(inputs[0])
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+                (x,) = ctx.saved_tensors
+                return 2 * 3 * g * x**2
+
+        with lifted_in_place(Cube):
+            self._check(Cube.apply, twice_grad(lambda x: x**3), torch.randn(6, dtype=DTYPE))
+
+    def test_inductor(self) -> None:
+        r, mu = torch.rand(7, dtype=torch.float32), torch.linspace(0, 1, 5)
+        want = grads_of(rbf_plain, (r, mu, 2.0), {}, lambda o: (o,), None, wrt=(0,))
+        got = grads_of(RBF, (r, mu, 2.0), {}, lambda o: (o,), "inductor", wrt=(0,))
+        self.assertEqual(got, want)
+        self.assertEqual(graph_breaks(), 0)
+
+
+class TestCacheKeys(TestCase):
+    def test_a_changed_ctx_attribute_recompiles(self) -> None:
+        r, mu = torch.rand(5, dtype=DTYPE), torch.linspace(0, 1, 4, dtype=DTYPE)
+        torch._dynamo.reset()
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            for k in (2.0, 3.0, 2.0):
+                rr = r.clone().requires_grad_()
+                RBF(rr, mu, k).sum().backward()
+                self.assertEqual(rr.grad, self._want(r, mu, k))
+        torch._dynamo.reset()
+
+    def _want(self, r: torch.Tensor, mu: torch.Tensor, k: float) -> torch.Tensor:
+        rr = r.clone().requires_grad_()
+        rbf_plain(rr, mu, k).sum().backward()
+        return rr.grad
+
+    def test_a_second_op_of_the_same_shape_is_not_given_the_first_ones_graph(self) -> None:
+        three = _rbf(3.0)  # its backward is 3x, with ctx.k the same as RBF's
+        r, mu = torch.rand(5, dtype=DTYPE), torch.linspace(0, 1, 4, dtype=DTYPE)
+        torch._dynamo.reset()
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            for op in (RBF, three, RBF):
+                rr = r.clone().requires_grad_()
+                op(rr, mu, 2.0).sum().backward()
+                self.assertEqual(rr.grad, self._want(r, mu, 2.0))
+        torch._dynamo.reset()
+
+    def test_a_second_backward_without_retain_graph_raises(self) -> None:
+        r = torch.rand(5, dtype=DTYPE, requires_grad=True)
+        y = RBF(r, torch.linspace(0, 1, 4, dtype=DTYPE), 2.0).sum()
+        with compiled_autograd():
+            y.backward()
+            with self.assertRaisesRegex(RuntimeError, "second time"):
+                y.backward()
+
+
+# ------------------------------------------------- the force-training step
+class Potential(torch.nn.Module):
+    """E(pos) = sum over pairs of MLP(rbf(|p_i - p_j|)): forces are -dE/dpos."""
+
+    def __init__(self, rbf: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.rbf = rbf
+        self.mu = torch.nn.Parameter(torch.linspace(0, 2, 8, dtype=DTYPE), requires_grad=False)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 1)).to(DTYPE)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        i, j = torch.triu_indices(pos.shape[0], pos.shape[0], 1)
+        r = (pos[i] - pos[j]).norm(dim=-1)
+        return self.mlp(self.rbf(r, self.mu, 2.0)).sum()
+
+
+def force_step(model: Potential, pos: torch.Tensor, target: torch.Tensor, ca: str | None) -> list[torch.Tensor]:
+    """Energy, forces by autograd.grad(create_graph=True) eagerly, then loss.backward() (compiled if ``ca``)."""
+    model.zero_grad()
+    pos = pos.clone().requires_grad_()
+    energy = model(pos)
+    (forces,) = torch.autograd.grad(-energy, pos, create_graph=True)
+    loss = ((forces - target) ** 2).sum() + energy
+    with compiled_autograd(ca) if ca else contextlib.nullcontext():
+        loss.backward()
+    return [p.grad for p in model.mlp.parameters()]
+
+
+class TestForceTraining(TestCase):
+    @parametrize("backend", ["aot_eager", "inductor"])
+    def test_force_step(self, backend: str) -> None:
+        torch.manual_seed(0)
+        pos, target = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 3, dtype=DTYPE)
+        model = Potential(RBF)
+        plain = Potential(rbf_plain)
+        plain.load_state_dict(model.state_dict())
+        self.assertEqual(force_step(model, pos, target, backend), force_step(plain, pos, target, None))
+
+    def test_compiled_forward(self) -> None:
+        torch.manual_seed(0)
+        pos = torch.randn(6, 3, dtype=DTYPE)
+        model, plain = Potential(RBF), Potential(rbf_plain)
+        plain.load_state_dict(model.state_dict())
+        compiled = torch.compile(model, backend="aot_eager")
+        with compiled_autograd():
+            compiled(pos).backward()
+        plain(pos).backward()
+        self.assertEqual(
+            [p.grad for p in model.parameters() if p.requires_grad],
+            [p.grad for p in plain.parameters() if p.requires_grad],
+        )
+
+
+instantiate_parametrized_tests(TestForceTraining)
+
+if __name__ == "__main__":
+    run_tests()
