@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from ops import OPS, OPS_BY_NAME
 from oracles import DTYPE, twice_grad, unique_op_name
@@ -117,6 +118,11 @@ def _rbf(k: float) -> torch_autobatch.CustomOpDef:
 
 
 RBF = _rbf(2.0)
+R, MU = torch.rand(7, dtype=DTYPE), torch.linspace(0, 1, 5, dtype=DTYPE)
+
+
+def _one(out: torch.Tensor) -> tuple[torch.Tensor]:
+    return (out,)
 
 
 def rbf_plain(r: torch.Tensor, mu: torch.Tensor, k: float) -> torch.Tensor:
@@ -175,6 +181,50 @@ class TestOpKinds(TestCase):
         with lifted_in_place(Cube):
             self._check(Cube.apply, twice_grad(lambda x: x**3), torch.randn(6, dtype=DTYPE))
 
+    def test_numpy_backward(self) -> None:
+        """Dynamo traces numpy as torch ops where it can, and otherwise runs it between graphs."""
+
+        @torch_autobatch.custom_op(unique_op_name(NS, "np_backward"), mutates_args=())
+        def sin(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x)
+
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return torch.from_numpy(2 * g.numpy() * np.cos(x.detach().numpy()))
+
+        sin.register_autograd(backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+        self._check(sin, twice_grad(torch.sin), torch.randn(6, dtype=DTYPE), breaks=None)
+
+    def test_selective_checkpointing(self) -> None:
+        from test_checkpointing import sac
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+        for policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE):
+            with self.subTest(policy=policy):
+                ctx_fn = sac(RBF._qualname, policy)
+                f = lambda r: checkpoint(  # noqa: E731
+                    lambda r: torch.sin(RBF(r * 1.5, MU, 2.0)).sum(), r, use_reentrant=False, context_fn=ctx_fn
+                )
+                want = grads_of(lambda r: torch.sin(rbf_plain(r * 1.5, MU, 2.0)).sum(), (R,), {}, _one, None)
+                self.assertEqual(grads_of(f, (R,), {}, _one, "aot_eager"), want)
+
+    def test_config_compiled_autograd_with_a_compiled_step(self) -> None:
+        """The public switch: torch._dynamo.config.compiled_autograd with a torch.compile'd step."""
+
+        def step(r: torch.Tensor) -> torch.Tensor:
+            loss = torch.sin(RBF(r, MU, 2.0)).sum()
+            loss.backward()
+            return loss
+
+        torch._dynamo.reset()
+        r = R.clone().requires_grad_()
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(step, backend="aot_eager")(r)
+        torch._dynamo.reset()
+        want = R.clone().requires_grad_()
+        torch.sin(rbf_plain(want, MU, 2.0)).sum().backward()
+        self.assertEqual(r.grad, want.grad)
+
     def test_inductor(self) -> None:
         r, mu = torch.rand(7, dtype=torch.float32), torch.linspace(0, 1, 5)
         want = grads_of(rbf_plain, (r, mu, 2.0), {}, lambda o: (o,), None, wrt=(0,))
@@ -209,6 +259,17 @@ class TestCacheKeys(TestCase):
                 op(rr, mu, 2.0).sum().backward()
                 self.assertEqual(rr.grad, self._want(r, mu, 2.0))
         torch._dynamo.reset()
+
+    def test_the_next_step_reuses_the_compiled_backward(self) -> None:
+        r, mu = torch.rand(5, dtype=DTYPE), torch.linspace(0, 1, 4, dtype=DTYPE)
+        with compiled_autograd():
+            for step in range(4):
+                rr = (r + step).requires_grad_()
+                RBF(rr, mu, 2.0).sum().backward()
+                self.assertEqual(rr.grad, self._want(r + step, mu, 2.0))
+                if step == 0:
+                    compiled = counters["stats"]["unique_graphs"]
+        self.assertEqual(counters["stats"]["unique_graphs"], compiled, "a new ctx each step: no recompile")
 
     def test_a_second_backward_without_retain_graph_raises(self) -> None:
         r = torch.rand(5, dtype=DTYPE, requires_grad=True)
