@@ -42,9 +42,8 @@ using torch::dynamo::autograd::SwapSavedVariables;
 void CustomOpNode::compiled_args(CompiledNodeArgs& args) const {
   TORCH_CHECK(!released_, torch::autograd::ERR_BACKWARD_TWICE);
   TORCH_CHECK(
-      frames_.empty() && level_ == 0, "torch_autobatch: compiled autograd reached the grad node of ",
-      state_->qualname,
-      " made under a torch.func transform; compiled autograd runs .backward() of eager graphs "
+      level_ == 0, "torch_autobatch: compiled autograd reached the grad node of ", state_->qualname,
+      " made at a torch.func grad level; compiled autograd runs .backward() of eager graphs "
       "only. Disable compiled autograd around this backward.");
   args.collect(state_->node_name);
   args.collect(saved_, true);
@@ -119,8 +118,9 @@ variable_list CustomOpNode::record_backward_call(
     metas[k] = py::make_tuple(
         py::handle(reinterpret_cast<PyObject*>(torch::getTHPLayout(meta.options.layout()))),
         py::reinterpret_steal<py::object>(THPDevice_New(meta.options.device())),
-        py::handle(reinterpret_cast<PyObject*>(
-            torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))),
+        py::handle(
+            reinterpret_cast<PyObject*>(
+                torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))),
         size);
   }
   py::tuple saved_tensors(saved_.size());
@@ -131,11 +131,12 @@ variable_list CustomOpNode::record_backward_call(
   auto [bwd_idx, state_idx, opaque] = saved.retrieve_pynode_objs(this);
   (void)state_idx;
   (void)opaque;
-  py::object r = py::handle(saved.get_py_compiler())
-                     .attr("proxy_call_backward")(
-                         grads, metas, saved_tensors, bwd_idx,
-                         py::module_::import("torch_autobatch._compiled_autograd").attr("CompiledNode"),
-                         py::none(), py::list());
+  py::object r =
+      py::handle(saved.get_py_compiler())
+          .attr("proxy_call_backward")(
+              grads, metas, saved_tensors, bwd_idx,
+              py::module_::import("torch_autobatch._compiled_autograd").attr("CompiledNode"),
+              py::none(), py::list());
   variable_list out(logical_meta_.size());
   auto results = py::reinterpret_borrow<py::tuple>(r);
   for (size_t k = 0; k < out.size() && k < results.size(); ++k) {
@@ -166,11 +167,11 @@ py::tuple CustomOpNode::compiled_info() const {
       size[d] = py::int_(meta.sym_sizes[d].guard_int(__FILE__, __LINE__));
     }
     edges[k] = py::make_tuple(
-        size, py::handle(reinterpret_cast<PyObject*>(
-                  torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))));
+        size, py::handle(
+                  reinterpret_cast<PyObject*>(
+                      torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))));
   }
-  return py::make_tuple(
-      to_py(ret_slots_), to_py(arg_slots_), edges, state_->returns_an_argument);
+  return py::make_tuple(to_py(ret_slots_), to_py(arg_slots_), edges, state_->returns_an_argument);
 }
 
 void bind_compiled_autograd(py::module_& m) {
@@ -179,6 +180,33 @@ void bind_compiled_autograd(py::module_& m) {
           "compiled_info", [](const CustomOpNode& node) { return node.compiled_info(); },
           "(return slots, argument slots, edges, returns_an_argument): a slot is (first, count, "
           "is_list); an edge (the input's size, dtype), None where no gradient is wanted.")
+      .def(
+          "run_backward",
+          [](CustomOpNode& node, const py::sequence& saved, const py::sequence& grads) {
+            auto tensors = [](const py::sequence& seq) {
+              std::vector<at::Tensor> out;
+              out.reserve(py::len(seq));
+              for (py::handle t : seq) {
+                out.push_back(t.is_none() ? at::Tensor() : THPVariable_Unpack(t.ptr()));
+              }
+              return out;
+            };
+            variable_list grads_in = tensors(grads);
+            std::vector<at::Tensor> saved_in = tensors(saved);
+            variable_list out;
+            {
+              py::gil_scoped_release no_gil;
+              out = node.run_backward(std::move(saved_in), std::move(grads_in));
+            }
+            py::tuple result(out.size());
+            for (size_t k = 0; k < out.size(); ++k) {
+              result[k] = py::reinterpret_steal<py::object>(THPVariable_Wrap(out[k]));
+            }
+            return result;
+          },
+          "What apply() returns, given the saved tensors and the incoming gradients: the "
+          "eager backward, re-entering the vmap levels the forward ran under.")
+      .def_property_readonly("has_frames", &CustomOpNode::has_frames)
       .def(
           "input_grads",
           [](const CustomOpNode& node, py::handle result) {

@@ -233,6 +233,10 @@ variable_list CustomOpNode::apply(variable_list&& grads) {
       saved.push_back(sv.unpack(getptr()));
     }
   }
+  return run_backward(std::move(saved), std::move(grads));
+}
+
+variable_list CustomOpNode::run_backward(std::vector<at::Tensor> saved, variable_list grads) {
   // The backward may run after the levels it was made under have exited
   // (vmap(vjp(op)): the pullback runs outside vjp's level).
   for (auto* ts : {&saved, &grads}) {

@@ -67,6 +67,14 @@ class CustomOpNode final : public torch::autograd::Node {
   // (return slots, argument slots, edges, returns_an_argument) for
   // _compiled_autograd.CompiledNode. Requires the GIL.
   py::tuple compiled_info() const;
+  // apply's body, given the saved tensors (unpacked) and the incoming
+  // gradients: the user's backward, re-entering the vmap frames.
+  torch::autograd::variable_list run_backward(
+      std::vector<at::Tensor> saved,
+      torch::autograd::variable_list grads);
+  bool has_frames() const {
+    return !frames_.empty();
+  }
   // What apply returns for the user's backward's `result`, checked as apply
   // checks it. Requires the GIL.
   torch::autograd::variable_list checked_input_grads(py::handle result) const {

@@ -121,6 +121,9 @@ RBF = _rbf(2.0)
 R, MU = torch.rand(7, dtype=DTYPE), torch.linspace(0, 1, 5, dtype=DTYPE)
 
 
+TABLE: list[torch.Tensor] = []  # a tensor a backward reads, not an argument
+
+
 def _one(out: torch.Tensor) -> tuple[torch.Tensor]:
     return (out,)
 
@@ -224,6 +227,30 @@ class TestOpKinds(TestCase):
         want = R.clone().requires_grad_()
         torch.sin(rbf_plain(want, MU, 2.0)).sum().backward()
         self.assertEqual(r.grad, want.grad)
+
+    def test_a_node_made_under_vmap(self) -> None:
+        """vmap in the forward, .backward() after it: the backward runs batched (eagerly, between graphs)."""
+        for op, oracle in ((RBF, rbf_plain), (make_preset_op("numpy", "expand_dims"), twice_grad(preset_plain))):
+            with self.subTest(op=op._qualname):
+                x = torch.rand(4, 5, dtype=DTYPE)
+                args = (MU, 2.0) if op is RBF else (torch.randn(5, dtype=DTYPE),)
+                f = lambda o: lambda x: torch.func.vmap(lambda r: o(r, *args))(x)  # noqa: E731
+                want = grads_of(f(oracle), (x,), {}, _one, None)
+                self.assertEqual(grads_of(f(op), (x,), {}, _one, "aot_eager"), want)
+
+    def test_a_tensor_the_backward_reads_is_read_live(self) -> None:
+        @torch_autobatch.custom_op(unique_op_name(NS, "table"), mutates_args=())
+        def scale(x: torch.Tensor) -> torch.Tensor:
+            return x * 1.0
+
+        scale.register_autograd(lambda ctx, g: g * TABLE[0])
+        TABLE[:] = [torch.tensor([2.0, 3.0, 4.0], dtype=DTYPE)]
+        with compiled_autograd():
+            for change in (lambda: None, lambda: TABLE[0].mul_(10), lambda: TABLE.__setitem__(0, TABLE[0] + 1)):
+                change()
+                x = torch.ones(3, dtype=DTYPE, requires_grad=True)
+                scale(x).sum().backward()
+                self.assertEqual(x.grad, TABLE[0])
 
     def test_inductor(self) -> None:
         r, mu = torch.rand(7, dtype=torch.float32), torch.linspace(0, 1, 5)

@@ -86,12 +86,7 @@ def _group(flat: tuple[Any, ...], slots: tuple[tuple[int, int, bool], ...]) -> t
 @torch._dynamo.disable
 def _run_eagerly(node: CompiledNode, saved: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     """The node's backward as the eager node runs it, between compiled graphs."""
-    from torch_autobatch import _C
-
-    result = _C._call_with_saved_tensors(
-        node.opdef._run_backward, node.ctx, tuple(saved), _group(grads, node.ret_slots)
-    )
-    return node.node.input_grads(result)
+    return node.node.run_backward(saved, grads)
 
 
 class CompiledNode:
@@ -110,8 +105,10 @@ class CompiledNode:
         self.node = node
         self.ret_slots, self.arg_slots, self.edges, self.returns_an_argument = node.compiled_info()
         # A preset's backward is an opaque kernel, called through machinery of
-        # ours that Dynamo need not see: it runs eagerly between graphs.
-        self.opaque = opdef._ab.vmap_preset is not None
+        # ours that Dynamo need not see; a node made under vmap runs its
+        # backward batched, re-entering the vmap levels (NOTE [Re-entering the
+        # vmap levels], csrc/vmap_frames.h): both run eagerly between graphs.
+        self.opaque = opdef._ab.vmap_preset is not None or node.has_frames
         call = getattr(ctx, "vjp_call", None)  # a register_vjp op's (_vjp.py)
         self.vjp_call = None if call is None else _Residuals(call.residual_parts())
 
