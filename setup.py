@@ -32,7 +32,13 @@ SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")
 # no optimisation, full debug info, assertions on (the last -O and -U win over
 # Python's own -O3 -DNDEBUG).
 DEBUG = os.environ.get("DEBUG", "0") not in ("", "0")
-CXX_FLAGS = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O2"]
+# NOTE [No debug info by default]
+# Python's own compile flags (sysconfig's CFLAGS, which setuptools puts first)
+# carry -g: debug info for torch's template-heavy headers took ~35% of each
+# translation unit's compile time and 96% of its object's size (26 s against
+# 16 s, 12 MB against 0.5 MB for grad_node.cpp on 2 cores). A release build
+# drops it (-g0, after Python's -g, wins); DEBUG=1 keeps it.
+CXX_FLAGS = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O2", "-g0"]
 CXX_FLAGS += ["-fvisibility=hidden", "-Wno-unused-parameter"]
 # ASAN=1: AddressSanitizer in our extension (tools/test_with_asan.sh runs the
 # suite with it; torch's own libraries stay uninstrumented).
