@@ -345,13 +345,14 @@ class TestForceTraining(TestCase):
         plain.load_state_dict(model.state_dict())
         self.assertEqual(force_step(model, pos, target, backend), force_step(plain, pos, target, None))
 
-    def test_compiled_forward(self) -> None:
+    @parametrize("backend", ["aot_eager", "inductor"])
+    def test_compiled_forward(self, backend: str) -> None:
         torch.manual_seed(0)
         pos = torch.randn(6, 3, dtype=DTYPE)
         model, plain = Potential(RBF), Potential(rbf_plain)
         plain.load_state_dict(model.state_dict())
-        compiled = torch.compile(model, backend="aot_eager")
-        with compiled_autograd():
+        compiled = torch.compile(model, backend=backend)
+        with compiled_autograd(backend):
             compiled(pos).backward()
         plain(pos).backward()
         self.assertEqual(
