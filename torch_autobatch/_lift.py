@@ -67,7 +67,16 @@ from ._lift_kinds import (
 )
 from ._lift_outputs import fresh_outputs, fresh_vmap_rule
 from ._lift_probe import _Probe, _probe
-from ._lift_rules import _apply_marks, _counted, _legacy_backward, _legacy_jvp, _legacy_jvp_setup_context, once_checked
+from ._lift_rules import (
+    _apply_marks,
+    _counted,
+    _legacy_backward,
+    _legacy_jvp,
+    _legacy_jvp_setup_context,
+    backward_as_eager,
+    jvp_as_eager,
+    once_checked,
+)
 from ._lift_transpose import legacy_transposed_jvp, new_style_transposed_jvp
 
 __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
@@ -375,9 +384,11 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     # staticmethod, forward mode from the backward; user functions get tuples back (_restore)
     if lifted._new_style:
         setup_context = restoring_setup_context(cls.setup_context, kinds)
-        op.register_autograd(_counted(once_checked(backward, cls), n_in), setup_context=setup_context)
+        # NOTE [A backward torch.func cannot run runs as eager .backward() runs it] (_lift_eager.py)
+        as_eager = backward_as_eager(once_checked(backward, cls), f"{cls.__qualname__}.backward")
+        op.register_autograd(_counted(as_eager, n_in), setup_context=setup_context)
         if has_jvp:
-            op.register_jvp(cls.jvp, setup_context=setup_context)
+            op.register_jvp(jvp_as_eager(cls.jvp, f"{cls.__qualname__}.jvp"), setup_context=setup_context)
         else:
             jvp, jvp_setup_context = new_style_transposed_jvp(cls, backward, n_in, kinds)
             op.register_jvp(jvp, setup_context=jvp_setup_context)
@@ -387,7 +398,7 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
         op.register_vjp(fwd, bwd)
         op._ab.vjp_fwd_is_function = True  # the function is fwd's output: nothing to check
         if has_jvp:
-            op.register_jvp(_legacy_jvp(cls.jvp), setup_context=_legacy_jvp_setup_context(fwd))
+            op.register_jvp(_legacy_jvp(cls.jvp, cls), setup_context=_legacy_jvp_setup_context(fwd))
         else:
             jvp, jvp_setup_context = legacy_transposed_jvp(cls, backward, fwd, n_in)
             op.register_jvp(jvp, setup_context=jvp_setup_context)

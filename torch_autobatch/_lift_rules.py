@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,39 +12,28 @@ from torch.utils import _pytree as pytree
 from . import _C
 from ._levels import Popped, restore
 from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
-from ._per_example import DrewUnderError, per_example
+from ._lift_eager import NOT_RUN, differentiated_elsewhere, level_exited, not_differentiable, run_as_eager
+from ._per_example import per_example
+from ._vmap_presets import _tangent_level
 
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
+_is_compiling = torch.compiler.is_compiling
+# torch's own errors are exactly these types; a user's own exception (a subclass too) goes on unchanged
+_TORCH_ERRORS = (RuntimeError, NotImplementedError)
 FunctionClass = type[torch.autograd.Function]
 
 
 def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass) -> Callable[..., Any]:
     """register_vjp's ``bwd`` for a legacy class: ``backward`` on a ctx rebuilt from the residuals."""
-    backward = once_checked(backward, cls)
+    backward = backward_as_eager(once_checked(backward, cls), f"{cls.__qualname__}.backward")
 
     def bwd(residuals: Residuals, *grads: Any, needs_input_grad: tuple[bool, ...]) -> Any:
         saved = _only_saved(residuals)  # NOTE [A lifted Function's residuals are flat]
         attributes: dict[str, Any] = {}
         if saved is None:
             saved, _, attributes = _unpack(residuals)
-        try:
-            out = backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads)
-        except OnceDifferentiableError:
-            raise
-        except (RuntimeError, NotImplementedError) as e:
-            if not _may_loop_backward((saved, attributes, grads)):
-                raise
-            try:  # NOTE [A backward vmap cannot batch]
-                out = per_example(
-                    functools.partial(_call_backward, backward, needs_input_grad),
-                    (saved, attributes, grads),
-                    f"{cls.__qualname__}.backward",
-                )
-            except DrewUnderError:
-                raise  # (the loop's own refusal, not the batched attempt's failure)
-            except Exception:
-                raise e from None
+        out = backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads)
         # (a gradient of another dtype than its input's, after an AMP forward
         # cast its inputs, is cast by the node: set_cast_grad_dtypes)
         return out if type(out) is tuple and len(out) == n_in else _count(out, n_in, cls)
@@ -53,45 +41,53 @@ def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass
     return bwd
 
 
-def _call_backward(
-    backward: Callable[..., Any],
-    needs_input_grad: tuple[bool, ...],
-    saved: tuple[Any, ...],
-    attributes: dict[str, Any],
-    grads: tuple[Any, ...],
-) -> Any:
-    return backward(_ReplayCtx(saved, attributes, needs_input_grad), *grads)
+# NOTE [A backward vmap cannot batch]
+# A library's backward may use what vmap cannot batch (entmax's sparsemax:
+# ``grad[output == 0] = 0``, boolean-mask indexing). Where it failed on
+# tensors batched by vmap, it runs once per example instead (NOTE [Once per
+# example, in Python] in _per_example.py): the definition of vmap, so the
+# same values. That runs below autograd, so only where nothing will
+# differentiate the backward's result again; elsewhere the error stands. It
+# is one case of NOTE [A backward torch.func cannot run runs as eager
+# .backward() runs it] (_lift_eager.py), which says when that is.
+def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``backward(ctx, *grads)``, run as eager mode runs it where torch.func cannot (NOTE above)."""
+
+    def call(ctx: Any, *grads: Any) -> Any:
+        # (traced by compiled autograd, the level checks would break the graph: none has exited there)
+        if not _is_compiling() and level_exited(own := _C._backward_level()):
+            out = run_as_eager(backward, ctx, grads, own, what)
+            if out is not NOT_RUN:
+                return out
+        try:
+            return backward(ctx, *grads)
+        except (RuntimeError, NotImplementedError) as e:
+            if type(e) not in _TORCH_ERRORS:  # (OnceDifferentiableError, a user's own exception: unchanged)
+                raise
+            # the node's own level may differentiate the result again where it keeps its graph
+            keeps = torch.is_grad_enabled() and _C._graph_task_keeps_graph()
+            return run_as_eager(backward, ctx, grads, _C._backward_level(), what, e, keeps)
+
+    call.__qualname__ = getattr(backward, "__qualname__", what)
+    return call
 
 
-def _may_loop_backward(tree: Any) -> bool:
-    """May a legacy backward that failed on batched tensors run once per example instead?
+def jvp_as_eager(jvp: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``jvp(ctx, *tangents)``, run as eager mode runs it where torch.func cannot.
 
-    NOTE [A backward vmap cannot batch]
-    A library's backward may use what vmap cannot batch (entmax's sparsemax:
-    ``grad[output == 0] = 0``, boolean-mask indexing). Where it failed on
-    tensors batched by vmap, it runs once per example (NOTE [Once per
-    example, in Python] in _per_example.py): the definition of vmap, so the
-    same values. That runs below autograd, so only where nothing will
-    differentiate the backward's result: no graph kept (not
-    ``create_graph=True`` inside a transform) and no tensor tracked by
-    autograd or by a torch.func grad level other than the one this backward
-    runs for (``grad(vmap(grad(f)))``, ``hessian``). Elsewhere the error stands.
+    NOTE [A backward torch.func cannot run runs as eager .backward() runs it] (_lift_eager.py).
     """
-    functorch = torch._C._functorch
-    if torch.is_grad_enabled() and _C._graph_task_keeps_graph():
-        return False
-    own = _C._backward_level()
-    batched = False
-    for t in pytree.tree_leaves(tree):
-        while isinstance(t, _Tensor) and functorch.is_functorch_wrapped_tensor(t):
-            if functorch.is_batchedtensor(t):
-                batched = True
-            elif functorch.maybe_get_level(t) != own:
-                return False
-            t = functorch.get_unwrapped(t)
-        if isinstance(t, _Tensor) and t.requires_grad and torch.is_grad_enabled():
-            return False
-    return batched
+
+    def call(ctx: Any, *tangents: Any) -> Any:
+        try:
+            return jvp(ctx, *tangents)
+        except (RuntimeError, NotImplementedError) as e:
+            if type(e) not in _TORCH_ERRORS:
+                raise
+            return run_as_eager(jvp, ctx, tangents, _tangent_level(tangents), what, e)
+
+    call.__qualname__ = getattr(jvp, "__qualname__", what)
+    return call
 
 
 def _apply_marks(ctx: Any, output: Any, residuals: Residuals) -> None:
@@ -129,9 +125,11 @@ def _counted(backward: Callable[..., Any], n_in: int) -> Callable[..., Any]:
     return counted
 
 
-def _legacy_jvp(jvp: Callable[..., Any]) -> Callable[..., Any]:
+def _legacy_jvp(jvp: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any]:
+    as_eager = jvp_as_eager(jvp, f"{cls.__qualname__}.jvp")
+
     def run(ctx: Any, *tangents: Any) -> Any:
-        return jvp(ctx.replay, *tangents)
+        return as_eager(ctx.replay, *tangents)
 
     run.__qualname__ = getattr(jvp, "__qualname__", "jvp")
     return run
@@ -184,14 +182,18 @@ def _forward_or_per_example(fwd: Callable[..., Any], inputs: tuple[Any, ...]) ->
     NOTE [Once per example, in Python] (_per_example.py), as the op's own
     vmap="loop" runs that forward.
     """
-    try:
-        return fwd(*inputs)[1]
-    except (RuntimeError, NotImplementedError):
-        functorch = torch._C._functorch
-        if not any(functorch.is_batchedtensor(t) for t in pytree.tree_leaves(inputs) if isinstance(t, _Tensor)):
-            raise
     cls = getattr(getattr(fwd, "__self__", None), "cls", None)  # (a lifted class's _Kernel.fwd)
     what = f"{cls.__qualname__}.forward" if cls is not None else "the forward"
+    try:
+        return fwd(*inputs)[1]
+    except (RuntimeError, NotImplementedError) as e:
+        leaves = pytree.tree_leaves(inputs)
+        if type(e) in _TORCH_ERRORS and differentiated_elsewhere(
+            leaves
+        ):  # jvp(jvp), jacfwd(jacfwd): a loop would drop the outer tangents
+            raise not_differentiable(f"{what} (run again for its jvp's ctx)", e) from e
+        if not any(torch._C._functorch.is_batchedtensor(t) for t in leaves if isinstance(t, _Tensor)):
+            raise
     return per_example(lambda *a: fwd(*a)[1], inputs, what)
 
 

@@ -20,6 +20,7 @@ from ._lift_rules import (
     _legacy_backward,
     _mark_as_forward_did,
     _once_message,
+    backward_as_eager,
     is_once_differentiable,
     once_checked,
 )
@@ -152,7 +153,7 @@ def new_style_transposed_jvp(
 ) -> tuple[Callable[..., Any], Callable[..., None]]:
     """register_jvp's (jvp, setup_context) for a class with setup_context and no jvp: its backward, transposed."""
     once = is_once_differentiable(backward)
-    counted = _counted(once_checked(backward, cls), n_in)
+    counted = _counted(backward_as_eager(once_checked(backward, cls), f"{cls.__qualname__}.backward"), n_in)
     user_setup = restoring_setup_context(cls.setup_context, kinds)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
