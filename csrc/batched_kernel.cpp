@@ -123,6 +123,35 @@ class BatchedKernel final : public c10::OperatorKernel {
       return;
     }
 
+    std::vector<c10::IValue> saved_args(args.begin(), args.end());
+    const size_t base = stack->size() - num_args;
+    try {
+      run_once_batched(
+          op, stack, inputs, std::move(arg_slots), saved_args, mode, under_ad, *batched);
+    } catch (const NotBatchable&) {
+      // NOTE [A forward vmap cannot batch runs per example]
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+      stack->insert(stack->end(), saved_args.begin(), saved_args.end());
+      run_companion_or_loop(*state_, op, *layer, /*loop_mode=*/true, stack);
+    }
+  }
+
+ private:
+  // Thrown, for an op that loops where its function cannot run batched
+  // (OpState::loop_on_failure), where the function failed on batched tensors.
+  struct NotBatchable {};
+
+  void run_once_batched(
+      const c10::OperatorHandle& op,
+      torch::jit::Stack* stack,
+      const std::vector<at::Tensor>& inputs,
+      std::vector<Slot> arg_slots,
+      const std::vector<c10::IValue>& saved_args,
+      VmapMode mode,
+      bool under_ad,
+      const at::Tensor& batched) const {
+    const auto& schema = op.schema();
+    const size_t num_returns = schema.returns().size();
     const bool grad_mode = c10::GradMode::is_enabled();
     if (state_->has_closure.load(std::memory_order_relaxed)) {
       check_closure(
@@ -130,7 +159,6 @@ class BatchedKernel final : public c10::OperatorKernel {
           /*batched_kernel=*/true); // NOTE [What the function closes over]
     }
     const bool attaches = !nothing_to_attach(*state_, grad_mode, inputs);
-    std::vector<c10::IValue> saved_args(args.begin(), args.end());
     // NOTE [Residuals of register_vjp]: open until the level walk's setup_context.
     ResidualRequest residuals(
         state_.get(), mode == VmapMode::Composite && state_->has_vjp.load() && attaches);
@@ -144,7 +172,8 @@ class BatchedKernel final : public c10::OperatorKernel {
           c10::AutogradState::get_tls_state().get_fw_grad_mode() && !state_->has_jvp.load());
       if (mode == VmapMode::Rule) {
         run_rule(op, stack);
-      } else if (!run_composite(op, functorch::innermost(*batched), stack, under_ad, saved_args)) {
+      } else if (!run_composite_or_refuse(
+                     op, functorch::innermost(batched), stack, under_ad, saved_args)) {
         return; // its companion ran instead (a recorded trace refused a constant)
       }
       if (attaches && !state_->returns_an_argument) {
@@ -162,7 +191,45 @@ class BatchedKernel final : public c10::OperatorKernel {
         torch::jit::last(*stack, num_returns), inputs, outputs);
   }
 
- private:
+  // NOTE [A forward vmap cannot batch runs per example]
+  // A lifted autograd.Function is a library's code, written for one call:
+  // its forward may build a fresh buffer and accumulate into it in place,
+  // call torch.tensor(x.shape), or a TorchScript kernel, none of which vmap
+  // can batch, while the same class works unlifted under a loop of
+  // .backward(). So under vmap="auto", where its function fails on batched
+  // tensors with torch's own error (RuntimeError, NotImplementedError; not a
+  // randomness error, which a loop would hit too), the call runs again once
+  // per example, as vmap="loop" runs it (the backward still runs batched where
+  // it can). The failed attempt's work is dropped: the function has no
+  // mutable arguments, and random ops it ran before failing drew once more.
+  bool run_composite_or_refuse(
+      const c10::OperatorHandle& op,
+      const at::Tensor& physical,
+      torch::jit::Stack* stack,
+      bool under_ad,
+      const std::vector<c10::IValue>& args) const {
+    if (!state_->loop_on_failure.load(std::memory_order_relaxed)) {
+      return run_composite(op, physical, stack, under_ad, args);
+    }
+    try {
+      return run_composite(op, physical, stack, under_ad, args);
+    } catch (const python_error& e) {
+      if ((e.type != PyExc_RuntimeError && e.type != PyExc_NotImplementedError) ||
+          is_randomness_error(e.what())) {
+        throw;
+      }
+    } catch (const c10::Error& e) {
+      if (is_randomness_error(e.what_without_backtrace())) {
+        throw;
+      }
+    }
+    throw NotBatchable{};
+  }
+
+  static bool is_randomness_error(const std::string& msg) {
+    return msg.find("randomness") != std::string::npos;
+  }
+
   // NOTE [Decompositions under an AD level]
   // A CompositeImplicitAutograd op with no batching rule (column_stack of a
   // TensorList, narrow with a tensor start) fails under vmap alone, for a

@@ -56,6 +56,11 @@ PYBIND11_MODULE(_C, m) {
           "Whether a gradient of another dtype than its input's is cast to it (a lifted "
           "autograd.Function, as autograd casts a Function's) rather than an error.")
       .def(
+          "set_loop_on_failure",
+          [](tab::Registration& r, bool loop) { r.state->loop_on_failure.store(loop); },
+          "Whether a call under vmap whose function fails on batched tensors runs once per "
+          "example instead (a lifted autograd.Function under vmap='auto').")
+      .def(
           "set_closure",
           [](tab::Registration& r, const py::tuple& closure) {
             r.state->closure = tab::PyRef(closure);

@@ -69,6 +69,10 @@ struct OpState {
   // is cast to the input's, as autograd casts a Function's (an AMP forward
   // that cast its inputs); any other op's is an error (grad_node.cpp).
   std::atomic<bool> cast_grad_dtypes{false};
+  // A lifted autograd.Function under vmap="auto": where its forward fails on
+  // batched tensors, the call runs once per example (NOTE [A forward vmap
+  // cannot batch runs per example], batched_kernel.cpp).
+  std::atomic<bool> loop_on_failure{false};
   // The definition our kernels were registered for still exists; cleared by
   // the dispatcher listener (registration.cpp).
   std::atomic<bool> defined{true};

@@ -74,6 +74,7 @@ class OpExtras:
         "vjp_setup_hook",
         "vjp_fwd_is_function",
         "vmap_loop",
+        "loop_on_failure",
         "trailing_defaults",
         "vmap_preset",
         "vmapped_companion",
@@ -112,6 +113,9 @@ class OpExtras:
         #: vmap="loop": under vmap, register_vjp's fwd runs once per example too
         #: (NOTE [fwd per example under vmap="loop"] in _vjp.py).
         self.vmap_loop = False
+        #: A call whose function fails on batched tensors runs per example, fwd too
+        #: (NOTE [A forward vmap cannot batch runs per example], csrc/batched_kernel.cpp).
+        self.loop_on_failure = False
         #: The trailing positional defaults, last first, once known (NOTE
         #: [needs_input_grad counts the arguments passed] in _autograd.py).
         self.trailing_defaults: Optional[tuple[Any, ...]] = None

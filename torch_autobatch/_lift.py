@@ -406,6 +406,9 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
         rule = restoring_vmap_rule(cls.vmap, kinds)
         op.register_vmap(fresh_vmap_rule(rule, kernel.tensor_positions, kernel.tensor_lists))
     op._ab.registration.set_cast_grad_dtypes(True)  # as autograd casts a Function's gradients
+    if vmap == "auto":  # NOTE [A forward vmap cannot batch runs per example] (csrc/batched_kernel.cpp)
+        op._ab.loop_on_failure = True
+        op._ab.registration.set_loop_on_failure(True)
     return op
 
 

@@ -123,7 +123,7 @@ def _setup_context(op: CustomOpDef) -> Callable[..., None]:
                 if op._ab.vmap_loop:
                     residuals = _residuals_per_example(op, positional, kwargs)
                 else:
-                    _, residuals = run_fwd(op, positional, kwargs)
+                    residuals = _fwd_or_per_example(op, positional, kwargs)
         # The tensor inputs are saved too, for a backward that is itself
         # differentiated (NOTE [Second derivatives through residuals]); a
         # residual that is an input (fwd saw it below the levels) shares the
@@ -168,6 +168,21 @@ def _residuals_per_example(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[
     the same for every example (it cannot be batched).
     """
     return per_example(lambda a, k: run_fwd(op, a, k)[1], (args, kwargs), f"the fwd of {op._qualname} ({fwd_name(op)})")
+
+
+def _fwd_or_per_example(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fwd``'s residuals; per example where the op loops because its function could not run batched.
+
+    NOTE [A forward vmap cannot batch runs per example] (csrc/batched_kernel.cpp):
+    fwd fails on batched tensors as the function did.
+    """
+    try:
+        return run_fwd(op, args, kwargs)[1]
+    except (RuntimeError, NotImplementedError) as e:
+        if not op._ab.loop_on_failure or type(e) not in (RuntimeError, NotImplementedError) or "randomness" in str(e):
+            raise
+    # (with no batched argument, fwd runs once more and raises as above)
+    return _residuals_per_example(op, args, kwargs)
 
 
 def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
