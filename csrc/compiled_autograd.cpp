@@ -102,27 +102,8 @@ variable_list CustomOpNode::record_backward_call(
     }
     grads[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
   }
-  // (layout, device, dtype, size) per next edge, None where none: what
-  // compiled autograd makes the recorded call's outputs of.
-  py::tuple metas(logical_meta_.size());
-  for (size_t k = 0; k < logical_meta_.size(); ++k) {
-    if (!input_defined_[k] || !next_edge(k).is_valid()) {
-      metas[k] = py::none();
-      continue;
-    }
-    const auto& meta = logical_meta_[k];
-    py::tuple size(meta.sym_sizes.size());
-    for (size_t d = 0; d < meta.sym_sizes.size(); ++d) {
-      size[d] = py::int_(meta.sym_sizes[d].guard_int(__FILE__, __LINE__));
-    }
-    metas[k] = py::make_tuple(
-        py::handle(reinterpret_cast<PyObject*>(torch::getTHPLayout(meta.options.layout()))),
-        py::reinterpret_steal<py::object>(THPDevice_New(meta.options.device())),
-        py::handle(
-            reinterpret_cast<PyObject*>(
-                torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))),
-        size);
-  }
+  // What compiled autograd makes the recorded call's outputs of.
+  py::tuple metas = edge_metadata();
   py::tuple saved_tensors(saved_.size());
   for (size_t i = 0; i < saved_.size(); ++i) {
     saved_tensors[i] =
@@ -155,6 +136,11 @@ py::tuple CustomOpNode::compiled_info() const {
     }
     return out;
   };
+  return py::make_tuple(
+      to_py(ret_slots_), to_py(arg_slots_), edge_metadata(), state_->returns_an_argument);
+}
+
+py::tuple CustomOpNode::edge_metadata() const {
   py::tuple edges(logical_meta_.size());
   for (size_t k = 0; k < logical_meta_.size(); ++k) {
     if (!input_defined_[k] || !next_edge(k).is_valid()) {
@@ -167,11 +153,14 @@ py::tuple CustomOpNode::compiled_info() const {
       size[d] = py::int_(meta.sym_sizes[d].guard_int(__FILE__, __LINE__));
     }
     edges[k] = py::make_tuple(
-        size, py::handle(
-                  reinterpret_cast<PyObject*>(
-                      torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))));
+        py::handle(reinterpret_cast<PyObject*>(torch::getTHPLayout(meta.options.layout()))),
+        py::reinterpret_steal<py::object>(THPDevice_New(meta.options.device())),
+        py::handle(
+            reinterpret_cast<PyObject*>(
+                torch::getTHPDtype(c10::typeMetaToScalarType(meta.options.dtype())))),
+        size);
   }
-  return py::make_tuple(to_py(ret_slots_), to_py(arg_slots_), edges, state_->returns_an_argument);
+  return edges;
 }
 
 void bind_compiled_autograd(py::module_& m) {
@@ -179,7 +168,8 @@ void bind_compiled_autograd(py::module_& m) {
       .def(
           "compiled_info", [](const CustomOpNode& node) { return node.compiled_info(); },
           "(return slots, argument slots, edges, returns_an_argument): a slot is (first, count, "
-          "is_list); an edge (the input's size, dtype), None where no gradient is wanted.")
+          "is_list); an edge (layout, device, dtype, size) of the input, None where no gradient is "
+          "wanted.")
       .def(
           "run_backward",
           [](CustomOpNode& node, const py::sequence& saved, const py::sequence& grads) {

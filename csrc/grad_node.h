@@ -64,8 +64,8 @@ class CustomOpNode final : public torch::autograd::Node {
   torch::autograd::variable_list apply_with_saved(
       const torch::autograd::variable_list& inputs,
       torch::dynamo::autograd::SwapSavedVariables& saved) override;
-  // (return slots, argument slots, edges, returns_an_argument) for
-  // _compiled_autograd.CompiledNode. Requires the GIL.
+  // (return slots, argument slots, edge_metadata(), returns_an_argument)
+  // for _compiled_autograd.CompiledNode. Requires the GIL.
   py::tuple compiled_info() const;
   // apply's body, given the saved tensors (unpacked) and the incoming
   // gradients: the user's backward, re-entering the vmap frames.
@@ -82,6 +82,9 @@ class CustomOpNode final : public torch::autograd::Node {
   }
 
  private:
+  // (layout, device, dtype, size) of each next edge's gradient, None where
+  // none is wanted. Requires the GIL.
+  py::tuple edge_metadata() const;
   torch::autograd::variable_list record_backward_call(
       const torch::autograd::variable_list& inputs,
       torch::dynamo::autograd::SwapSavedVariables& saved);

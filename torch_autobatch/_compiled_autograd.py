@@ -150,7 +150,8 @@ class CompiledNode:
         meta = self.edges[edge]
         if meta is None:  # no gradient wanted
             return True
-        if tuple(g.shape) != meta[0] or g.dtype != meta[1]:
+        _, _, dtype, size = meta
+        if tuple(g.shape) != size or g.dtype != dtype:
             return False
         out[edge] = g
         return True
