@@ -39,6 +39,19 @@ using torch::dynamo::autograd::SwapSavedVariables;
 // per input and output whether it is defined, differentiable, and its
 // metadata.
 
+namespace {
+
+// Python's handle on a grad node (autograd owns nodes by intrusive_ptr): it
+// keeps the node alive while CompiledNode holds it.
+struct NodeRef {
+  c10::intrusive_ptr<torch::autograd::Node> node;
+  CustomOpNode& get() const {
+    return static_cast<CustomOpNode&>(*node);
+  }
+};
+
+} // namespace
+
 void CustomOpNode::compiled_args(CompiledNodeArgs& args) const {
   TORCH_CHECK(!released_, torch::autograd::ERR_BACKWARD_TWICE);
   TORCH_CHECK(
@@ -62,9 +75,10 @@ void CustomOpNode::compiled_args(CompiledNodeArgs& args) const {
   }
   py::gil_scoped_acquire gil;
   try {
-    py::object obj = py::module_::import("torch_autobatch._compiled_autograd")
-                         .attr("CompiledNode")(
-                             opdef_.get(), ctx_.get(), py::cast(const_cast<CustomOpNode*>(this)));
+    py::object obj =
+        py::module_::import("torch_autobatch._compiled_autograd")
+            .attr("CompiledNode")(
+                opdef_.get(), ctx_.get(), NodeRef{const_cast<CustomOpNode*>(this)->getptr()});
     args.collect_pynode_objs(
         this, c10::SafePyObject(obj.release().ptr(), getPyInterpreter()), std::nullopt, {});
   } catch (py::error_already_set& e) {
@@ -164,15 +178,15 @@ py::tuple CustomOpNode::edge_metadata() const {
 }
 
 void bind_compiled_autograd(py::module_& m) {
-  py::class_<CustomOpNode, std::shared_ptr<CustomOpNode>>(m, "_CustomOpNode")
+  py::class_<NodeRef>(m, "_CustomOpNode")
       .def(
-          "compiled_info", [](const CustomOpNode& node) { return node.compiled_info(); },
+          "compiled_info", [](const NodeRef& ref) { return ref.get().compiled_info(); },
           "(return slots, argument slots, edges, returns_an_argument): a slot is (first, count, "
           "is_list); an edge (layout, device, dtype, size) of the input, None where no gradient is "
           "wanted.")
       .def(
           "run_backward",
-          [](CustomOpNode& node, const py::sequence& saved, const py::sequence& grads) {
+          [](NodeRef& ref, const py::sequence& saved, const py::sequence& grads) {
             auto tensors = [](const py::sequence& seq) {
               std::vector<at::Tensor> out;
               out.reserve(py::len(seq));
@@ -186,7 +200,7 @@ void bind_compiled_autograd(py::module_& m) {
             variable_list out;
             {
               py::gil_scoped_release no_gil;
-              out = node.run_backward(std::move(saved_in), std::move(grads_in));
+              out = ref.get().run_backward(std::move(saved_in), std::move(grads_in));
             }
             py::tuple result(out.size());
             for (size_t k = 0; k < out.size(); ++k) {
@@ -196,11 +210,12 @@ void bind_compiled_autograd(py::module_& m) {
           },
           "What apply() returns, given the saved tensors and the incoming gradients: the "
           "eager backward, re-entering the vmap levels the forward ran under.")
-      .def_property_readonly("has_frames", &CustomOpNode::has_frames)
+      .def_property_readonly(
+          "has_frames", [](const NodeRef& ref) { return ref.get().has_frames(); })
       .def(
           "input_grads",
-          [](const CustomOpNode& node, py::handle result) {
-            variable_list grads = node.checked_input_grads(result);
+          [](const NodeRef& ref, py::handle result) {
+            variable_list grads = ref.get().checked_input_grads(result);
             py::tuple out(grads.size());
             for (size_t k = 0; k < grads.size(); ++k) {
               out[k] = py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[k]));
