@@ -194,8 +194,8 @@ class BatchedKernel final : public c10::OperatorKernel {
   // NOTE [A forward vmap cannot batch runs per example]
   // A lifted autograd.Function is a library's code, written for one call:
   // its forward may build a fresh buffer and accumulate into it in place,
-  // call torch.tensor(x.shape), or a TorchScript kernel, none of which vmap
-  // can batch, while the same class works unlifted under a loop of
+  // build a tensor from the input's Python values (.tolist()), or call a
+  // TorchScript kernel that does either, none of which vmap can batch, while the same class works unlifted under a loop of
   // .backward(). So under vmap="auto", where its function fails on batched
   // tensors with torch's own error (RuntimeError, NotImplementedError; not a
   // randomness error, which a loop would hit too), the call runs again once
