@@ -27,9 +27,8 @@ overload of the op, defined on first use (``torch.ops.ns.name.<kinds>``):
 the schema types are exact, so a compiled or exported graph holds the op
 whole. A tuple comes back to ``forward`` as a tuple (the schema's lists are
 lists). An argument no schema holds (a callable, a module, a config object)
-cannot reach a kernel: such a call runs the class's original ``apply`` where
-no torch.func transform is active (exactly what it did before), and is a
-clear error naming the class and the argument under a transform.
+is a constant of the call, kept out of the schema (NOTE [Python objects as
+arguments of a lifted Function], _lift_objects.py).
 
 What a combination returns is learned before its overload is defined, by
 running ``forward`` once on meta copies of the arguments (a forward made of
@@ -57,14 +56,16 @@ from torch._library.utils import RegistrationHandle
 from . import _lift_compile, _vmap_presets
 from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
 from ._lift_kinds import (
-    _UNSUPPORTED,
+    _OBJECT,
     _kind,
     _kind_token,
     _restore,
     _schema_type,
+    needs_restore,
     restoring_setup_context,
     restoring_vmap_rule,
 )
+from ._lift_objects import call_with_objects, constants_of
 from ._lift_outputs import fresh_outputs, fresh_vmap_rule
 from ._lift_probe import _Probe, _probe
 from ._lift_rules import (
@@ -86,6 +87,7 @@ _is_compiling = torch.compiler.is_compiling
 _BOUND_METHODS = (types.MethodType, types.BuiltinMethodType)
 
 _Tensor = torch.Tensor
+_Entry = tuple[Any, bool, tuple[int, ...]]  # (OpOverload, returns a 1-tuple, the positions of Python objects)
 _TENSORS = ("Tensor", "Tensor?")  # the element kinds of a list of tensors
 
 
@@ -159,12 +161,13 @@ class LiftedFunction:
         self._new_style = _is_new_style(cls)
         self._forward = cls.forward
         self._signature = _apply_signature(cls)
-        # kinds -> (OpOverload, returns a 1-tuple)
-        self._ops: dict[tuple[Any, ...], tuple[Any, bool]] = {}
+        # kinds -> (OpOverload, returns a 1-tuple, the positions of Python objects)
+        self._ops: dict[tuple[Any, ...], _Entry] = {}
         # the same entries by the arguments' types, where no argument is a list or tuple (their
         # types then fix their kinds): a call's lookup without a Python call per argument
-        self._by_types: dict[tuple[type, ...], tuple[Any, bool]] = {}
+        self._by_types: dict[tuple[type, ...], _Entry] = {}
         self._n = len(self._signature.parameters) if self._signature is not None else -1
+        self._names = _positional_names(cls)  # (error messages)
         self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
         self.__name__ = cls.__name__
@@ -186,10 +189,18 @@ class LiftedFunction:
         if kwargs or len(args) != self._n:
             args = self._bind(args, kwargs)
         kinds = tuple(map(_kind, args))
-        if _UNSUPPORTED in kinds:
-            raise TypeError(f"{self._cls.__qualname__}.apply: no operator schema holds these arguments' kinds {kinds}.")
-        overload, _ = self._ops.get(kinds) or self._define(kinds, args)
+        overload = (self._ops.get(kinds) or self._define(kinds, args))[0]
         return self._defs[overload._overloadname]
+
+    def object_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        """The names of the arguments of this call that no schema holds (Python objects)."""
+        if kwargs or len(args) != self._n:
+            args = self._bind(args, kwargs)
+        return [self._arg_name(i) for i, a in enumerate(args) if _kind(a) == _OBJECT]
+
+    def _arg_name(self, i: int) -> str:
+        names = self._names
+        return names[i] if i < len(names) else f"args[{i - len(names)}]"
 
     @property
     def function_class(self) -> FunctionClass:
@@ -226,45 +237,30 @@ class LiftedFunction:
             kinds = tuple(map(_kind, args))
             entry = self._ops.get(kinds)
             if entry is None:
-                if _UNSUPPORTED in kinds:
-                    return self._unsupported(kinds, args)
+                if _OBJECT in kinds and not torch._C._are_functorch_transforms_active():
+                    return _torch_apply(self._cls, *args)  # (no overload defined for an eager call)
                 entry = self._define(kinds, args)
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
-        overload, returns_1_tuple = entry
-        out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
+        overload, returns_1_tuple, objects = entry
+        if objects:  # NOTE [Python objects as arguments of a lifted Function] (_lift_objects.py)
+            if not torch._C._are_functorch_transforms_active():
+                return _torch_apply(self._cls, *args)
+            names = [self._arg_name(i) for i in range(len(args))]
+            out, _constants = call_with_objects(overload, args, objects, names, f"{self._cls.__qualname__}.apply")
+        else:
+            out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
         return (out,) if returns_1_tuple else out
 
-    def _unsupported(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
-        names = (
-            list(self._signature.parameters)
-            if self._signature is not None
-            else [f"args[{i}]" for i in range(len(args))]
-        )
-        bad = [
-            (names[i] if i < len(names) else f"args[{i}]", type(a).__name__)
-            for i, (k, a) in enumerate(zip(kinds, args))
-            if k is _UNSUPPORTED
-        ]
-        if not torch._C._are_functorch_transforms_active():
-            return _torch_apply(self._cls, *args)
-        what = ", ".join(f"{n} ({t})" for n, t in bad)
-        raise TypeError(
-            f"torch_autobatch: {self._cls.__qualname__}.apply was called under a torch.func transform with "
-            f"{what}, which no operator schema can hold (tensors, None, numbers, strings, dtypes, devices "
-            f"and lists/tuples of those can). Pass the object's tensors and numbers as arguments, or close "
-            f"over it: make a function of the tensors that calls apply with it, and decorate that with "
-            f"torch_autobatch.custom_op."
-        )
-
-    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, bool]:
+    def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> _Entry:
         probe = _probe(self, kinds, args)
         with self._lock:
             entry = self._ops.get(kinds)
             if entry is None:
                 op = _define_overload(self, kinds, probe)
                 self._defs[op._opoverload._overloadname] = op
-                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1)
+                objects = tuple(i for i, k in enumerate(kinds) if k == _OBJECT)
+                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1, objects)
                 self._ops[kinds] = entry
                 # NOTE [A redefined op's old object is stale]: then the op's own call, which raises
                 op._lib._registration_handles.append(
@@ -279,9 +275,9 @@ def _forget(ref: weakref.ref[LiftedFunction], op: Any) -> None:
     if lifted is not None:
         with lifted._lock:
             for cache in (lifted._ops, lifted._by_types):
-                for key, (overload, returns_1_tuple) in list(cache.items()):
+                for key, (overload, returns_1_tuple, objects) in list(cache.items()):
                     if overload is op._opoverload:
-                        cache[key] = (op, returns_1_tuple)
+                        cache[key] = (op, returns_1_tuple, objects)
 
 
 def _torch_apply(klass: FunctionClass, *args: Any, **kwargs: Any) -> Any:
@@ -300,6 +296,17 @@ def _apply_signature(cls: FunctionClass) -> Optional[inspect.Signature]:
     return sig.replace(parameters=params)
 
 
+def _positional_names(cls: FunctionClass) -> list[str]:
+    """The names of ``apply``'s positional parameters before any ``*args``."""
+    params = list(inspect.signature(cls.forward).parameters.values())[0 if _is_new_style(cls) else 1 :]
+    names = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return names
+
+
 # ------------------------------------------------------------- one overload
 class _Kernel:
     """One overload's function (the object itself) and register_vjp ``fwd``: ``forward`` as ``apply`` runs it.
@@ -314,7 +321,8 @@ class _Kernel:
         self.forward = lifted._forward
         self.new_style = lifted._new_style
         self.kinds = kinds
-        self.restore = any(not isinstance(k, str) for k in kinds)  # a list or tuple argument
+        self.restore = needs_restore(kinds)  # a list, tuple or object argument
+        self.objects = tuple(i for i, k in enumerate(kinds) if k == _OBJECT)
         self.tensor_args = tuple(k == "Tensor" for k in kinds)  # a legacy forward's ctx.needs_input_grad
         self.tensor_positions = tuple(i for i, k in enumerate(kinds) if k == "Tensor")
         self.tensor_lists = tuple(i for i, k in enumerate(kinds) if not isinstance(k, str) and k[1] in _TENSORS)
@@ -331,7 +339,7 @@ class _Kernel:
 
     def fwd(self, *args: Any) -> tuple[Any, Residuals]:
         """register_vjp's ``fwd``: forward on a recording ctx, which becomes the residuals."""
-        real = _restore(self.kinds, args) if self.restore else args
+        real = _restore(self.kinds, args, self.__qualname__) if self.restore else args
         ctx = _new(_RecordingCtx)
         ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
@@ -343,6 +351,11 @@ class _Kernel:
         if ctx.non_differentiable or not ctx.materialize_grads:
             # ctx's marks, applied by a hook in setup_context from the first call that makes any
             self.extras.vjp_setup_hook = _apply_marks
+        if self.objects:  # the residuals keep the call's objects while fwd may run again
+            constants = constants_of(args, self.objects)
+            if constants is not None and constants.tracked:
+                constants.check_kept(ctx, f"{self.cls.__qualname__}.apply")
+            ctx.__dict__["_torch_autobatch_constants"] = constants
         # (marks name the tensors forward returned: they are found among those, not the copies)
         return (outs[0] if self.single else outs), _residuals(ctx, returned)
 
@@ -350,7 +363,7 @@ class _Kernel:
         """The op's function."""
         if not self.new_style:
             return self.fwd(*args)[0]  # nothing differentiated: the residuals are dropped
-        real = _restore(self.kinds, args) if self.restore else args
+        real = _restore(self.kinds, args, self.__qualname__) if self.restore else args
         out = self.forward(*real)
         outs = fresh_outputs(out if isinstance(out, tuple) else (out,), args, self.tensor_positions, self.tensor_lists)
         return outs[0] if self.single else outs

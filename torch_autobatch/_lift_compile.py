@@ -20,8 +20,9 @@ Dynamo first runs that call on fake tensors (``torch.compiler.is_compiling()``
 holds for the whole compile session, AOTAutograd's trace included). Where the
 op cannot be recorded there, the call raises Dynamo's graph break, so it
 runs eagerly between compiled graphs (``fullgraph=True`` reports the reason):
-its forward leaves torch and it has no fake kernel, its arguments have kinds
-no schema holds, or its rules read tensor constants (NOTE [A traced rule
+its forward leaves torch and it has no fake kernel, some of its arguments
+are Python objects (NOTE [Python objects as arguments of a lifted Function],
+_lift_objects.py), or its rules read tensor constants (NOTE [A traced rule
 cannot read a tensor constant], _closure.py; ``torch.export`` keeps the op
 whole and traces no rule, so it records the op there). The eager run of that
 call is a frame Dynamo would compile again: the code of the function called
@@ -74,6 +75,14 @@ def traced_call(lifted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, i
     """A lifted call run by a compiler (Dynamo on fake tensors, AOTAutograd, export): the op, or a graph break."""
     exporting = torch.compiler.is_exporting()
     who = _who(lifted, in_place)
+    objects = lifted.object_arguments(args, kwargs)
+    if objects:
+        _graph_break(
+            who,
+            f"its arguments {', '.join(objects)} are Python objects, which a graph cannot hold (NOTE "
+            f"[Python objects as arguments of a lifted Function])",
+            "pass only tensors, numbers, strings, dtypes and lists of those",
+        )
     try:
         op = lifted.overload_for(*args, **kwargs)  # defined now if new: its forward runs on the fake arguments
         if op._ab.eager_under_compile is not None and not exporting:
@@ -88,8 +97,6 @@ def traced_call(lifted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, i
         # torch's own control-flow exceptions (data-dependent output, ...) are subclasses: they go on
         if exporting or type(e) not in _PLAIN_ERRORS:
             raise
-        if str(e).startswith(f"{lifted.function_class.__qualname__}.apply: no operator schema"):
-            _graph_break(who, str(e), "pass only tensors, numbers, strings, dtypes and lists of those")
         where = f"{lifted.function_class.__qualname__}.apply.lifted" if in_place else "lifted"
         _graph_break(
             who,

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from ._lift_objects import constants_of, resolve
+
 _Tensor = torch.Tensor
 _NoneType = type(None)
 
@@ -26,6 +28,7 @@ _SCALAR_SCHEMA = {
     "device": "Device",
     "layout": "Layout",
     "memory_format": "MemoryFormat",
+    "object": "int",  # a handle: NOTE [Python objects as arguments of a lifted Function] (_lift_objects.py)
 }
 _LIST_SCHEMA = {
     "Tensor": "Tensor[]",
@@ -48,7 +51,7 @@ _EXACT_KINDS: dict[type, str] = {
     torch.memory_format: "memory_format",
 }
 _CONTAINERS: dict[type, str] = {list: "list", tuple: "tuple", torch.Size: "size"}
-_UNSUPPORTED = None  # the kind of a value no schema holds
+_OBJECT = "object"  # the kind of a value no schema holds: a constant of the call, kept out of the schema
 
 
 def _scalar_kind(value: Any) -> Optional[str]:
@@ -63,11 +66,11 @@ def _scalar_kind(value: Any) -> Optional[str]:
         return "int"
     if isinstance(value, float):
         return "float"
-    return _UNSUPPORTED
+    return None  # no schema holds it
 
 
 def _kind(value: Any) -> Any:
-    """The kind of one argument: a string, a (container, element kind) pair, or None (no schema holds it)."""
+    """The kind of one argument: a string (``"object"`` where no schema holds it), or a (container, element kind) pair."""
     kind = _EXACT_KINDS.get(type(value))
     if kind is not None:
         return kind
@@ -78,10 +81,10 @@ def _kind(value: Any) -> Any:
                 container = name
                 break
         else:
-            return _scalar_kind(value)
+            return _scalar_kind(value) or _OBJECT
     elements = {_scalar_kind(v) for v in value}
-    if _UNSUPPORTED in elements:
-        return _UNSUPPORTED
+    if None in elements:
+        return _OBJECT
     if not elements:
         element = "int"  # an empty list: any list type holds it
     elif elements == {"Tensor"}:
@@ -95,7 +98,7 @@ def _kind(value: Any) -> Any:
     elif elements <= {"int", "float"}:
         element = "float"
     else:
-        return _UNSUPPORTED
+        return _OBJECT
     return (container, element)
 
 
@@ -110,11 +113,15 @@ def _kind_token(kind: Any) -> str:
     return f"{container}_{element.replace('?', 'opt')}"
 
 
-def _restore(kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The arguments as ``forward`` was given them: a tuple (or torch.Size) again where the schema made a list."""
+def _restore(kinds: tuple[Any, ...], args: tuple[Any, ...], what: str = "") -> tuple[Any, ...]:
+    """The arguments as ``forward`` was given them: a tuple (or torch.Size) again where the schema made a list,
+    the object again where the schema holds its handle (``what`` names the op in the error of a stale one)."""
     out = list(args)
     for i, kind in enumerate(kinds):
-        if not isinstance(kind, str):
+        if kind == _OBJECT:
+            if type(out[i]) is int:  # (the call's own value where apply's arguments are restored)
+                out[i] = resolve(out[i], i, what or "a lifted autograd.Function")
+        elif not isinstance(kind, str):
             container = kind[0]
             if container == "tuple":
                 out[i] = tuple(out[i])
@@ -125,13 +132,24 @@ def _restore(kinds: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def needs_restore(kinds: tuple[Any, ...]) -> bool:
+    """Does ``forward`` get some argument other than the schema gives it (a tuple, an object)?"""
+    return any(not isinstance(k, str) or k == _OBJECT for k in kinds)
+
+
 def restoring_setup_context(setup_context: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
     """``setup_context`` given the inputs as apply was (a tuple again where the schema made a list)."""
-    if all(isinstance(k, str) for k in kinds):
+    if not needs_restore(kinds):
         return setup_context
 
+    objects = tuple(i for i, k in enumerate(kinds) if k == _OBJECT)
+
     def restored(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Any:
-        return setup_context(ctx, _restore(kinds, tuple(inputs)), output)
+        out = setup_context(ctx, _restore(kinds, tuple(inputs)), output)
+        constants = constants_of(tuple(inputs), objects) if objects else None
+        if constants is not None and constants.tracked:  # NOTE [Python objects as arguments of a lifted Function]
+            constants.check_kept(ctx, getattr(setup_context, "__qualname__", "setup_context"))
+        return out
 
     restored.__qualname__ = getattr(setup_context, "__qualname__", "setup_context")
     return restored
@@ -139,7 +157,7 @@ def restoring_setup_context(setup_context: Callable[..., Any], kinds: tuple[Any,
 
 def restoring_vmap_rule(rule: Callable[..., Any], kinds: tuple[Any, ...]) -> Callable[..., Any]:
     """A vmap staticmethod given the arguments as apply was (a tuple again where the schema made a list)."""
-    if all(isinstance(k, str) for k in kinds):
+    if not needs_restore(kinds):
         return rule
 
     def restored(info: Any, in_dims: Any, *args: Any) -> Any:
