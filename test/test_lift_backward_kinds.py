@@ -325,5 +325,72 @@ class TestOpaqueJvps(TestCase):
 instantiate_parametrized_tests(TestBackwardsThatTorchFuncCannotRun)
 instantiate_parametrized_tests(TestOpaqueJvps)
 
+
+# ---------------------------------- backwards that ask requires_grad (NOTE [A backward that asks requires_grad])
+class GatedScale(Function):
+    """x * w; the backward (2x) skips the gradient of a saved tensor that does not require grad."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return (2 * g * w if x.requires_grad else None), (2 * g * x if w.requires_grad else None)
+
+
+class _Diag:
+    def __init__(self, d: torch.Tensor) -> None:
+        self.d = d
+
+
+class GatedSolve(Function):
+    """rhs / d; keeps an operator object built in forward on ctx, and asks its tensor requires_grad."""
+
+    @staticmethod
+    def forward(ctx, rhs, d):
+        ctx.op = _Diag(d)
+        out = rhs / d
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return 2 * g / ctx.op.d, (-2 * g * out / ctx.op.d if ctx.op.d.requires_grad else None)
+
+
+class TestBackwardsThatAskRequiresGrad(TestCase):
+    @parametrize("transform", ["grad", "jacrev", "vmap_grad"])
+    def test_a_gradient_skipped_by_requires_grad_is_the_eager_one(self, transform):
+        x, w = _r(3), _r(3)
+        want = 2 * x  # the class's own (2x) backward, as eager .backward() runs it
+        with lifted_in_place(GatedScale):
+            if transform == "grad":
+                self.assertEqual(grad(lambda w: GatedScale.apply(x, w).sum())(w), want)
+            elif transform == "jacrev":
+                self.assertEqual(jacrev(lambda w: GatedScale.apply(x, w))(w), torch.diag(want))
+            else:
+                ws = torch.stack([w, w + 1])
+                got = vmap(grad(lambda w: GatedScale.apply(x, w).sum()))(ws)
+                self.assertEqual(got, torch.stack([want, want]))
+
+    def test_forward_mode_through_a_skipped_gradient_is_an_error_naming_the_class(self):
+        x, w = _r(3), _r(3)
+        with lifted_in_place(GatedScale):
+            with self.assertRaisesRegex(RuntimeError, r"GatedScale: .* returned None for input 1, which has a tangent"):
+                jacfwd(lambda w: GatedScale.apply(x, w))(w)
+
+    def test_a_skipped_gradient_of_a_tensor_inside_a_ctx_object_is_an_error_naming_it(self):
+        rhs, d = _r(3), _r(3).abs() + 0.5
+        with lifted_in_place(GatedSolve):
+            with self.assertRaisesRegex(RuntimeError, r"GatedSolve.backward returned None .* keeps ctx.op \(_Diag\)"):
+                grad(lambda d: GatedSolve.apply(rhs, d).sum())(d)
+
+
+instantiate_parametrized_tests(TestBackwardsThatAskRequiresGrad)
+
 if __name__ == "__main__":
     run_tests()

@@ -60,16 +60,61 @@ def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., 
             if out is not NOT_RUN:
                 return out
         try:
-            return backward(ctx, *grads)
+            out = backward(ctx, *grads)
         except (RuntimeError, NotImplementedError) as e:
             if type(e) not in _TORCH_ERRORS:  # (OnceDifferentiableError, a user's own exception: unchanged)
                 raise
             # the node's own level may differentiate the result again where it keeps its graph
             keeps = torch.is_grad_enabled() and _C._graph_task_keeps_graph()
             return run_as_eager(backward, ctx, grads, _C._backward_level(), what, e, keeps)
+        if _missing(out, ctx) and not _is_compiling():  # NOTE [A backward that asks requires_grad]
+            again = run_as_eager(backward, ctx, grads, _C._backward_level(), what)
+            if again is not NOT_RUN:
+                out = again
+            if _missing(out, ctx) and (holder := _object_holding_tensors(ctx)) is not None:
+                raise RuntimeError(
+                    f"torch_autobatch: {what} returned None for an input that needs a gradient, and its ctx "
+                    f"keeps {holder}, an object holding tensors. Under torch.func those are the tensors our "
+                    f"kernels ran forward on, which do not require grad: a backward that asks them "
+                    f"requires_grad would silently give zeros (NOTE [A backward that asks requires_grad]). "
+                    f"Ask ctx.needs_input_grad instead, or save the tensors with ctx.save_for_backward."
+                )
+        return out
 
     call.__qualname__ = getattr(backward, "__qualname__", what)
     return call
+
+
+# NOTE [A backward that asks requires_grad]
+# Libraries' backwards skip a gradient when a saved tensor does not require
+# grad (``g * x if w.requires_grad else None``), as eager mode allows. Under
+# torch.func our node runs the backward on the tensors of the level it runs
+# at, where a saved input may not report requires_grad (under vmap, in
+# jacrev and vmap(grad)), so the gradient would silently be None: zeros. A
+# backward that returns None for an input that needs a gradient is run
+# again as eager .backward() runs it (NOTE [A backward torch.func cannot run
+# runs as eager .backward() runs it], _lift_eager.py), on fresh tensors that
+# require grad as eager mode's would, where nothing differentiates its
+# result again; a None there is the backward's own answer, unless ctx keeps
+# an object holding tensors (an operator built in forward): those are the
+# tensors forward ran on, which never require grad, so a None may be a
+# skipped gradient, and is an error naming the class.
+def _object_holding_tensors(ctx: Any) -> Any:
+    """The name of a ctx attribute that is an object (not a tensor or container) holding a tensor, or None."""
+    for name, value in getattr(ctx, "__dict__", {}).items():
+        if isinstance(value, (_Tensor, tuple, list, dict)) or name.startswith("_torch_autobatch"):
+            continue
+        stored = getattr(value, "__dict__", None)
+        if isinstance(stored, dict) and any(isinstance(v, _Tensor) for v in stored.values()):
+            return f"ctx.{name} ({type(value).__name__})"
+    return None
+
+
+def _missing(out: Any, ctx: Any) -> bool:
+    """Did the backward return None for a tensor input that needs a gradient?"""
+    needs = getattr(ctx, "needs_input_grad", ())
+    outs = out if type(out) is tuple else (out,)
+    return any(g is None and n for g, n in zip(outs, needs))
 
 
 def jvp_as_eager(jvp: Callable[..., Any], what: str) -> Callable[..., Any]:

@@ -49,6 +49,10 @@ def _is_float(t: Any) -> bool:
     return isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+class _SkippedGradient(RuntimeError):
+    """A transposed backward returned None for an input with a tangent (NOTE [A backward that asks requires_grad])."""
+
+
 def transpose_backward(
     cls: FunctionClass,
     pullback: Callable[..., Any],
@@ -71,6 +75,16 @@ def transpose_backward(
             full[k] = g
         grads = pullback(*full)
         grads = grads if isinstance(grads, tuple) else (grads,)
+        for i, (g, t) in enumerate(zip(grads, tangents)):
+            if g is None and isinstance(t, _Tensor):  # NOTE [A backward that asks requires_grad] (_lift_rules.py)
+                raise _SkippedGradient(
+                    f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
+                    f"staticmethod, so its forward mode is the transpose of its backward, and the backward "
+                    f"returned None for input {i}, which has a tangent. That may be a zero derivative, or a "
+                    f"backward that skips the gradient of a tensor that does not report requires_grad (tensors "
+                    f"inside a transform may not): a silent zero is not given. Give {cls.__qualname__} a jvp "
+                    f"staticmethod (jvp(ctx, *input_tangents)), or have its backward return a zero gradient."
+                )
         total = gs[0].real.sum() * 0 if gs[0].is_complex() else gs[0].sum() * 0
         for g, t in zip(grads, tangents):
             if isinstance(g, _Tensor) and isinstance(t, _Tensor):
@@ -80,7 +94,7 @@ def transpose_backward(
     seeds = tuple(torch.zeros_like(outputs[k]) for k in where)
     try:
         got = torch.func.grad(inner, argnums=tuple(range(len(where))))(*seeds)
-    except OnceDifferentiableError:
+    except (OnceDifferentiableError, _SkippedGradient):
         raise
     except (RuntimeError, NotImplementedError, TypeError) as e:
         if type(e) not in (RuntimeError, NotImplementedError, TypeError):
