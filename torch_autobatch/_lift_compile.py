@@ -79,8 +79,8 @@ def traced_call(lifted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, i
     if objects:
         _graph_break(
             who,
-            f"its arguments {', '.join(objects)} are Python objects, which a graph cannot hold (NOTE "
-            f"[Python objects as arguments of a lifted Function])",
+            f"its arguments {', '.join(objects)} are Python objects, which a graph cannot hold "
+            f"(NOTE [Python objects as arguments of a lifted Function])",
             "pass only tensors, numbers, strings, dtypes and lists of those",
         )
     try:

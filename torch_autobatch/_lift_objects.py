@@ -57,6 +57,7 @@ __all__ = ["Constants", "call_with_objects", "constants_of", "resolve"]
 _Tensor = torch.Tensor
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _handles = itertools.count(1)  # next() is atomic under the GIL: a handle is never given twice
+_NOTE = "NOTE [Python objects as arguments of a lifted Function]"
 _LIVE: weakref.WeakValueDictionary[int, Constants] = weakref.WeakValueDictionary()
 
 
@@ -80,8 +81,7 @@ class Constants:
                     f"argument ({type(obj).__name__}) holding {path}, a tensor the transform tracks, and "
                     f"keeps that object on its ctx for backward. The transform's tensors inside it are swapped "
                     f"back (functional_call) or unwrapped by the time backward reads it, so the derivatives "
-                    f"through them would silently be lost (NOTE [Python objects as arguments of a lifted "
-                    f"Function]). Differentiate these tensors with .backward(), or call apply with the "
+                    f"through them would silently be lost ({_NOTE}). Differentiate these tensors with .backward(), or call apply with the "
                     f"object holding plain tensors and differentiate the tensors passed as arguments."
                 )
 
@@ -92,8 +92,7 @@ def resolve(handle: int, position: int, what: str) -> Any:
     if constants is None:
         raise RuntimeError(
             f"torch_autobatch: {what} is being run again with argument {position} given as the handle "
-            f"{handle} of a Python object of an earlier call, which is gone (NOTE [Python objects as "
-            f"arguments of a lifted Function]): a graph that recorded the op (make_fx) cannot replay a call "
+            f"{handle} of a Python object of an earlier call, which is gone ({_NOTE}): a graph that recorded the op (make_fx) cannot replay a call "
             f"whose arguments include Python objects. Trace the function that calls apply with "
             f"torch.compile (which runs such a call eagerly), or pass tensors, numbers and lists of those only."
         )
@@ -137,8 +136,7 @@ def _check_reachable(objects: dict[int, Any], args: tuple[Any, ...], names: list
                     f"torch_autobatch: {who} was called under a torch.func transform with a Python object "
                     f"argument, {name} ({type(obj).__name__}), that holds a tensor the transform tracks "
                     f"(differentiated or batched): {path}. The op's derivatives and batching see only "
-                    f"the tensors passed to apply, so this one's would silently be lost (NOTE [Python "
-                    f"objects as arguments of a lifted Function]). Pass that tensor to apply as an "
+                    f"the tensors passed to apply, so this one's would silently be lost ({_NOTE}). Pass that tensor to apply as an "
                     f"argument too (as the class's own autograd needs), or make it a constant of the "
                     f"transformed function."
                 )
