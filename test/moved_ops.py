@@ -52,4 +52,6 @@ def payload() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    PICKLE.write_bytes(pickle.dumps(payload()))
+    import moved_ops  # (pickled by reference to this module's name, not __main__)
+
+    PICKLE.write_bytes(pickle.dumps(moved_ops.payload()))
