@@ -14,6 +14,7 @@ The libraries are installed with ``pip install --no-deps`` (the list: docs/zoo.m
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ from torch.testing._internal.common_utils import TestCase, instantiate_parametri
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from zoo_cases import CASES, NA, NOREF, PASS, TRANSFORM_TITLES, TRANSFORMS, cell_ok, run_cell  # noqa: E402
+from zoo_cases import CASES, NA, NOREF, PASS, TRANSFORM_TITLES, TRANSFORMS, WRONG, cell_ok, run_cell  # noqa: E402
 
 _BY_NAME = {case.name: case for case in CASES}
 
@@ -82,6 +83,7 @@ def table() -> str:
             continue
         cells, ucells = [], []
         row_notes: dict[str, int] = {}  # one note per distinct message in a row
+        wrong: dict[str, str] = {}
         for transform in TRANSFORMS:
             out = run_cell(case, transform)
             unl = run_cell(case, transform, lifted=False)
@@ -94,13 +96,23 @@ def table() -> str:
                 continue
             ok = cell_ok(case, transform, out)
             why = case.expected.get(transform) or case.library_na.get(transform)
-            text = (f"Judged impossible: {why.reason}. " if why is not None and ok else "") + f"`{_md(out.short(300))}`"
+            if out.status == WRONG:  # one note per row: the values differ from the reference
+                diff = re.search(r"Greatest absolute difference: (\S+)", out.message)
+                wrong[transform] = f"{TRANSFORM_TITLES[transform]} {float(diff.group(1)):.2g}" if diff else transform
+                text = "the value differs from the unlifted class's (largest absolute difference: {wrong})"
+            else:
+                text = (
+                    f"Judged impossible: {why.reason}. " if why is not None and ok else ""
+                ) + f"`{_md(out.short(300))}`"
             if text not in row_notes:
                 notes.append(f"{len(notes) + 1}. `{case.name}`: {out.status}. {text}")
                 row_notes[text] = len(notes)
             tag = {"CLEAR": "clear", "UNCLEAR": "**UNCLEAR**", "WRONG": "**WRONG**"}.get(out.status, out.status)
             worse_tag = " WORSE" if (case.name, transform) in worse else ""
             cells.append(f"{tag}{'' if ok else '!'}{worse_tag} [{row_notes[text]}]")
+        if wrong:
+            n = row_notes["the value differs from the unlifted class's (largest absolute difference: {wrong})"]
+            notes[n - 1] = notes[n - 1].replace("{wrong}", ", ".join(wrong.values()))
         rows.append(f"| {case.lib} | `{case.name}` | " + " | ".join(cells) + " |")
         unlifted_rows.append(f"| `{case.name}` | " + " | ".join(ucells) + " |")
     header = "| library | class | " + " | ".join(TRANSFORM_TITLES[t] for t in TRANSFORMS) + " |"
