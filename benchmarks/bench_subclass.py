@@ -7,7 +7,7 @@ The op is bench_vmap.py's ``f(x, y) = sin(x) * y + x.sum(-1, keepdim=True)``
 with its exact backward registered (``register_vjp``, saving ``sin(x)`` as
 autograd does for the plain function); no sharding rule
 is written, so DTensor receives the op's function (NOTE [Subclasses receive
-the function] in torch_autobatch/_subclass.py). Inputs: ``Shard(0)``
+the function] in torch_autobatch/graphs/_subclass.py). Inputs: ``Shard(0)``
 DTensors on a one-process gloo mesh (world size 1: the local compute of a
 real mesh, without its communication), ``x`` requiring grad.
 

@@ -7,7 +7,7 @@ registered backward, against the plain function (its own batching rules):
   (d) plain Python function;
   (t) ``torch_autobatch.custom_op`` + ``register_autograd``: under a graph
       tracer, vmap(op) is one node, its vmapped companion (NOTE [One node for
-      vmap(op) in a trace], torch_autobatch/_traced_vmap.py).
+      vmap(op) in a trace], torch_autobatch/vmap/_traced.py).
 
 Per batch size B:
 

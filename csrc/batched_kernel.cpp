@@ -272,13 +272,13 @@ class BatchedKernel final : public c10::OperatorKernel {
       run_composite_once(op, physical, stack, /*decompose=*/true, /*may_retry=*/false);
     } catch (FakeConstantRefused& refused) {
       // NOTE [A fake run of the function reads its tensor constants]
-      // (torch_autobatch/_compile.py): a metadata-only run lets the fake mode
+      // (torch_autobatch/graphs/_compile.py): a metadata-only run lets the fake mode
       // take them, and runs again; in a run a graph tracer records (Inductor
       // decomposing vmap(op)), the op's companion is recorded instead, one
       // node that reads them when it runs. (Run twice on fake tensors, a
       // mutating function mutates no data.)
       py::gil_scoped_acquire gil;
-      py::object compile = py::module_::import("torch_autobatch._compile");
+      py::object compile = py::module_::import("torch_autobatch.graphs._compile");
       py::object mode = compile.attr("allow_constants")(py::make_tuple(physical));
       restore_arguments();
       if (mode.is_none()) {

@@ -89,7 +89,7 @@ PYBIND11_MODULE(_C, m) {
           },
           "(residuals,) of the innermost answered request for the op, or None (residuals may "
           "be None themselves).")
-      // NOTE [fwd returns what the op returns] (torch_autobatch/_vjp_check.py)
+      // NOTE [fwd returns what the op returns] (torch_autobatch/op/_vjp_check.py)
       .def(
           "run_fwd",
           [](tab::Registration& r, py::handle fwd, const py::tuple& args, const py::dict& kwargs,

@@ -24,7 +24,7 @@
 // reached a tensor, None or an unset attribute then; all one level deep into
 // tuples and lists. Chains are followed through stored data only (a module's
 // or instance's dict, an nn.Module's parameters, buffers and submodules): no
-// property or __getattr__ runs on the op's call path (_closure.py, Chain).
+// property or __getattr__ runs on the op's call path (core/_closure.py, Chain).
 // Only ops whose user code has such cells pay (has_closure); a tensor that is
 // also an argument of the call is the argument's business.
 #include "functorch.h"
@@ -142,7 +142,7 @@ void check_closure(
     py::object reached; // an attribute chain's end (model.lin.weight), kept alive here
     py::handle shown = item[1];
     if (item.size() > 3) {
-      reached = item[3](value); // Chain (_closure.py): stored data only, no user code
+      reached = item[3](value); // Chain (core/_closure.py): stored data only, no user code
       value = reached;
       shown = item[4];
     }

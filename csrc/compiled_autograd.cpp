@@ -1,7 +1,7 @@
 // What compiled autograd sees of an op's grad node: CustomOpNode's
 // compiled_args and apply_with_saved (grad_node.h), and the Python object
 // that stands for the node in the compiled backward
-// (torch_autobatch/_compiled_autograd.py).
+// (torch_autobatch/graphs/_compiled_autograd.py).
 #include "grad_node.h"
 
 #include <torch/csrc/Device.h>
@@ -76,7 +76,7 @@ void CustomOpNode::compiled_args(CompiledNodeArgs& args) const {
   py::gil_scoped_acquire gil;
   try {
     py::object obj =
-        py::module_::import("torch_autobatch._compiled_autograd")
+        py::module_::import("torch_autobatch.graphs._compiled_autograd")
             .attr("CompiledNode")(
                 opdef_.get(), ctx_.get(), NodeRef{const_cast<CustomOpNode*>(this)->getptr()});
     args.collect_pynode_objs(
@@ -130,7 +130,7 @@ variable_list CustomOpNode::record_backward_call(
       py::handle(saved.get_py_compiler())
           .attr("proxy_call_backward")(
               grads, metas, saved_tensors, bwd_idx,
-              py::module_::import("torch_autobatch._compiled_autograd").attr("CompiledNode"),
+              py::module_::import("torch_autobatch.graphs._compiled_autograd").attr("CompiledNode"),
               py::none(), py::list());
   variable_list out(logical_meta_.size());
   auto results = py::reinterpret_borrow<py::tuple>(r);

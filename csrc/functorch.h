@@ -90,7 +90,7 @@ inline at::Tensor below_grad_levels(at::Tensor t) {
   return t;
 }
 
-// NOTE [Second derivatives through residuals] (torch_autobatch/_vjp.py): can
+// NOTE [Second derivatives through residuals] (torch_autobatch/op/_vjp.py): can
 // a differentiation that tracks `t`, an input of a grad node of functorch
 // `level` (0: the base), differentiate the node's backward? `t` is a
 // TensorWrapper of the node's level while that level is alive (the level

@@ -58,7 +58,7 @@ PyObject* saved_tensors_get(PyObject* self, PyObject* obj, PyObject* /*type*/) {
 }
 
 int saved_tensors_set(PyObject* /*self*/, PyObject* obj, PyObject* /*value*/) {
-  // An AttributeError with name and obj set, so that _custom_op.py can tell
+  // An AttributeError with name and obj set, so that op/_custom_op.py can tell
   // this one apart and name the op (CustomOpDef._call_setup_context).
   py::gil_scoped_acquire gil;
   try {
@@ -451,7 +451,7 @@ py::object call_setup_context(
     }
     const PyNames& names = py_names();
     py::object ctx = call_method(state.opdef(), names.setup_autograd, {py_args, py_output, needs});
-    // NOTE [ctx is torch's FunctionCtx] (_autograd.py): what its methods recorded.
+    // NOTE [ctx is torch's FunctionCtx] (core/_autograd.py): what its methods recorded.
     py::object to_save = ctx.attr(names.to_save);
     if (!to_save.is_none()) {
       // ctx.save_for_backward is torch's own (NOTE [The per-call Python of a

@@ -42,7 +42,7 @@ class CustomOpNode final : public torch::autograd::Node {
   // node's level), ctx.set_materialize_grads. Requires the GIL.
   // The functorch level the node was attached at (0: the base), which the
   // backward reports to Python: NOTE [Second derivatives through residuals]
-  // (_vjp.py).
+  // (op/_vjp.py).
   void set_level(int64_t level) {
     level_ = level;
   }

@@ -45,7 +45,7 @@ struct OpState {
   std::atomic<bool> has_jvp{false}; // register_jvp was called
   std::atomic<bool> has_vjp{false}; // register_vjp was called: NOTE [Residuals of register_vjp]
   // The keys (metadata_key, vjp_residuals.cpp) of the arguments for which
-  // fwd's output was checked: NOTE [fwd returns what the op returns] (_vjp_check.py).
+  // fwd's output was checked: NOTE [fwd returns what the op returns] (op/_vjp_check.py).
   // Requires the GIL.
   std::unordered_set<std::string> vjp_checked;
   // Its function needs an AD level to decompose some CompositeImplicit op:
@@ -107,7 +107,7 @@ inline thread_local int64_t t_sent_down_from_ad = 0;
 // residuals. The kernel asks for them with a ResidualRequest for the lifetime
 // of the call (running the op below it, then setup_context): whichever runs
 // the op below (the backend function, Inductor's
-// decomposition: _kernel_side.py) takes the request (once) and answers every
+// decomposition: op/_kernel_side.py) takes the request (once) and answers every
 // open request of the op on this thread with the same residuals, so each
 // level's node of one call saves them. Thread-local and scoped to the call:
 // no state on the op that other calls or threads could read.
@@ -136,7 +136,7 @@ struct ResidualRequest {
 };
 
 // register_vjp's fwd(*args, **kwargs) for the op: its (output, residuals),
-// verified (NOTE [fwd returns what the op returns], _vjp_check.py): C++
+// verified (NOTE [fwd returns what the op returns], op/_vjp_check.py): C++
 // checks the structure and, with `check`, finds the arguments' key in
 // state.vjp_checked; anything else is the op's _verify_vjp_fwd's to check
 // (or reject), and its key is then added. Requires the GIL

@@ -60,11 +60,11 @@ class PyRef {
 // use) and never freed, like CPython's own identifiers: a lookup then builds
 // no str object, and a rename on the Python side has one place to follow
 // (test_contract.py checks that each exists, with the signature the call
-// needs, on torch_autobatch/_kernel_side.py's KernelSide). The ctx attributes always
-// exist (BackwardContext's class defaults, _autograd.py): a failed lookup
+// needs, on torch_autobatch/op/_kernel_side.py's KernelSide). The ctx attributes always
+// exist (BackwardContext's class defaults, core/_autograd.py): a failed lookup
 // would build and drop an AttributeError per call.
 struct PyNames {
-  // CustomOpDef methods (KernelSide, torch_autobatch/_kernel_side.py).
+  // CustomOpDef methods (KernelSide, torch_autobatch/op/_kernel_side.py).
   PyObject* setup_autograd; // forward: ctx from setup_context
   PyObject* run_backward; // backward: the user's backward
   PyObject* run_jvp; // forward mode: the user's jvp

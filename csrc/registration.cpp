@@ -8,7 +8,7 @@
 // vmap, silently. So our registration lives no longer than the definition it
 // was made for, in three ways, each covering what the others cannot:
 // - torch's own teardown: the registration is a RegistrationHandle on the
-//   op's torch Library (CustomOpDef._lib, _custom_op.py), so torch
+//   op's torch Library (CustomOpDef._lib, op/_custom_op.py), so torch
 //   destroying that Library (a redefinition, Library._destroy) deregisters
 //   ours at once;
 // - garbage collection: the op object owns the registration, and OpState

@@ -1,6 +1,6 @@
 // The tracer's Python bindings (bind_tracer, tracer.h): _C._TraceImpl, its
 // snapshot in plain Python objects, and the functions that push, pop and query
-// the thread's tracing state (the Python layer: torch_autobatch/_tracer.py).
+// the thread's tracing state (the Python layer: torch_autobatch/tracing/_tracer.py).
 #include "tracer.h"
 
 #include "python_interop.h"

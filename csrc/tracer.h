@@ -1,5 +1,5 @@
 // torch_autobatch.trace's recorder: C++, so that recording an op costs no trip
-// into Python. The Python layer (torch_autobatch/_tracer.py) names, lists and
+// into Python. The Python layer (torch_autobatch/tracing/_tracer.py) names, lists and
 // replays what it recorded. The recorder's files: trace_record.h (what they
 // share), trace_record.cpp, trace_hooks.cpp, trace_observer.cpp,
 // trace_bindings.cpp (this function), torch_internals.h (the torch internals

@@ -1,5 +1,5 @@
 // register_vjp's per-call bookkeeping in C++ (its Python half:
-// torch_autobatch/_vjp.py, _vjp_check.py): which tensors a call's node saves,
+// torch_autobatch/op/_vjp.py, op/_vjp_check.py): which tensors a call's node saves,
 // the residuals its backward hands bwd or whether it must rerun fwd, and the
 // key of fwd's output check. Each runs on every differentiated call, where
 // Python loops over tensors cost more than the op's own work at small batch
@@ -304,7 +304,7 @@ bool encode(PyObject* v, std::string& key) {
   return true;
 }
 
-// NOTE [fwd returns what the op returns] (torch_autobatch/_vjp_check.py):
+// NOTE [fwd returns what the op returns] (torch_autobatch/op/_vjp_check.py):
 // the key under which the op's checked outputs are cached: the arguments'
 // tensor metadata and values, positional then keyword (in schema order).
 // False where an argument has no encoding (Python keys the call then).

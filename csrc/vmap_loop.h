@@ -16,13 +16,13 @@ namespace torch_autobatch {
 // differentiating the traced program later would silently use the
 // decomposition's derivatives. So under such a tracer the op's vmap is one
 // call of its vmapped companion on the physical tensors (NOTE [One node for
-// vmap(op) in a trace], torch_autobatch/_traced_vmap.py): one node at any
+// vmap(op) in a trace], torch_autobatch/vmap/_traced.py): one node at any
 // batch size, static or symbolic, whose rules are the op's rules batched.
 // The composite runs only where the tracer's decomposition table asks for
 // the op's decomposition: the user's own table lists the op, or the table
 // is Inductor's (torch.compile), where AOTAutograd has already traced the
 // op's rules through autograd and a graph is never differentiated again
-// (_compile.py); and inside the companion's own rules (the op's
+// (graphs/_compile.py); and inside the companion's own rules (the op's
 // _dissolves_in_trace says so). The tracer is found by its mode key, so
 // eager calls pay one TLS read. An op that mutates an argument, or returns
 // other than Tensor / Tensor[], has no companion: it runs once per example

@@ -10,7 +10,7 @@ not divide by the 2 ranks: the shards are uneven (4 and 3 columns).
 
 DTensor has no rule for ``softclip``, so it receives the op's function, and
 each torch op inside runs on the shards (NOTE [Subclasses receive the
-function] in torch_autobatch/_subclass.py), while the gradient is the op's own
+function] in torch_autobatch/graphs/_subclass.py), while the gradient is the op's own
 backward. The parent process checks, against a single-process run of the same
 model, the output, every parameter's gradient (gathered from its shards), and
 that the op's backward ran on the shards in each worker. Workers write their

@@ -1,6 +1,6 @@
 """Activation checkpointing (``torch.utils.checkpoint``) of regions that call our ops.
 
-NOTE [Selective checkpointing of register_vjp ops] (torch_autobatch/_sac.py):
+NOTE [Selective checkpointing of register_vjp ops] (torch_autobatch/op/_sac.py):
 selective activation checkpointing (SAC) that saves a register_vjp op
 (``MUST_SAVE``/``PREFER_SAVE``) must not replay its ``fwd`` on recompute, and
 its backward must still get ``fwd``'s residuals. Each op's backward is

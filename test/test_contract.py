@@ -283,8 +283,8 @@ class TestPythonCppBoundary(TestCase):
         import inspect
 
         from torch_autobatch import _C
-        from torch_autobatch._autograd import BackwardContext
-        from torch_autobatch._kernel_side import KernelSide
+        from torch_autobatch.core._autograd import BackwardContext
+        from torch_autobatch.op._kernel_side import KernelSide
 
         side = _C._python_side_names()
         op = torch_autobatch.custom_op(
@@ -427,7 +427,7 @@ class TestSparseInputs(TestCase):
 
 # ---------------------------------------------------------------------------
 # torch.library's ctx.needs_input_grad: one entry per argument passed (NOTE
-# [needs_input_grad counts the arguments passed], torch_autobatch/_autograd.py).
+# [needs_input_grad counts the arguments passed], torch_autobatch/core/_autograd.py).
 DEFAULTS_CALLS = {
     "f(x, y)": lambda f, x, y: f(x, y),
     "f(x, y, 3.0)": lambda f, x, y: f(x, y, 3.0),

@@ -54,7 +54,7 @@ class TestOverloadNames(TestCase):
         torch.library.opcheck(op, (x, 3.0))
 
     def test_a_failed_definition_leaves_nothing_registered(self):
-        import torch_autobatch._custom_op as m
+        import torch_autobatch.op._custom_op as m
 
         real = m._C._register_op
 

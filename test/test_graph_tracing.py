@@ -26,7 +26,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
-from torch_autobatch import _traced_vmap
+from torch_autobatch.vmap import _traced as _traced_vmap
 
 NS = "tab_graph"
 CALLS = {"op": 0, "opaque": 0, "with_rule": 0, "looped": 0}
@@ -273,7 +273,7 @@ class TestTracedVmapKeepsTheRules(TestCase):
 
 
 class TestInductor(TestCase):
-    """NOTE [Inductor sees the function] (torch_autobatch/_compile.py)."""
+    """NOTE [Inductor sees the function] (torch_autobatch/graphs/_compile.py)."""
 
     def _compiled_code(self, fn, *args):
         from torch._inductor.utils import run_and_get_code
@@ -362,7 +362,7 @@ class TestInductor(TestCase):
         self.assertEqual(out, x * x.abs().max() + 1)
 
     def test_the_compile_cache_follows_the_function_and_the_rules(self):
-        # NOTE [The compile cache key names the function] (_compile.py):
+        # NOTE [The compile cache key names the function] (graphs/_compile.py):
         # AOTAutograd's on-disk cache keys by Dynamo's graph, where the op is
         # one node by name; another process whose op computes something else
         # under the same name got the first one's compiled code.
@@ -404,7 +404,7 @@ class TestInductor(TestCase):
             run("sin", "3", "vjp")
 
     def test_the_fingerprint_follows_each_rule_and_the_globals_they_use(self):
-        from torch_autobatch import _compile
+        from torch_autobatch.graphs import _compile as _compile
 
         global _SCALE
         op = torch_autobatch.custom_op(

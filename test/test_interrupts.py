@@ -1,6 +1,6 @@
 """An exception that lands while an op is one vmap level down leaves the layer stack as it found it.
 
-NOTE [Popping levels, interruptibly] (torch_autobatch/_levels.py).
+NOTE [Popping levels, interruptibly] (torch_autobatch/core/_levels.py).
 A preset's call (``vmap="expand_dims"`` / ``"broadcast_all"``: forward,
 backward, jvp, register_vjp's fwd), the tangents of a ``register_vmap``
 rule (``vmap(jvp(op))``) and a lifted class's forward-mode residuals pop

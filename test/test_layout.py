@@ -4,7 +4,11 @@
   over 600 lines, no function over 80.
 - ``csrc/functorch.h`` is the only file naming functorch's C++ internals
   (``at::functorch::``); a torch release that moves them is fixed there.
-- The package has no import cycle (imports under ``TYPE_CHECKING`` aside).
+- The package has no import cycle (imports under ``TYPE_CHECKING`` aside), and
+  its folders keep their layers (NOTE [Layers of the package], docs/design.md):
+  a module imports only from its own folder or from a folder of a lower layer,
+  ``TYPE_CHECKING`` and in-function imports included, so no two folders import
+  each other.
 - Every ``NOTE [name]`` a comment or docstring cites is written somewhere, and
   one that names its file names the file that holds it.
 """
@@ -27,7 +31,13 @@ def _sources(*patterns: str) -> list[Path]:
 
 
 CPP = _sources("csrc/*.cpp", "csrc/*.h")
-PY = _sources("torch_autobatch/*.py")
+PY = _sources("torch_autobatch/**/*.py")
+PACKAGE = ROOT / "torch_autobatch"
+
+# NOTE [Layers of the package]: each folder, and the layer it is in; a module imports from its own
+# folder and from lower layers only. The extension (_C) is below them all; the package's root
+# modules (__init__, the autobatch() front door, the import-time checks) above.
+LAYERS = {"core": 0, "tracing": 1, "vmap": 1, "graphs": 1, "op": 2, "lift": 3, "testing": 4, "": 5}
 
 
 def _cpp_functions(path: Path) -> list[tuple[str, int]]:
@@ -58,22 +68,42 @@ def _py_functions(path: Path) -> list[tuple[str, int]]:
     ]
 
 
-def _package_imports(path: Path) -> set[str]:
-    """The torch_autobatch modules ``path`` imports, outside ``if TYPE_CHECKING:``."""
+def _module_name(path: Path) -> str:
+    """``torch_autobatch/op/_vjp.py`` -> ``op._vjp``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PY}
+
+
+def _package_imports(path: Path, type_checking: bool = False) -> set[str]:
+    """The torch_autobatch modules ``path`` imports (``op._vjp``), outside ``if TYPE_CHECKING:`` unless asked."""
     tree = ast.parse(path.read_text())
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for n in ast.walk(node))
+    here = _module_name(path).split(".") if path.name == "__init__.py" else _module_name(path).split(".")[:-1]
+    here = [p for p in here if p]
     out = set()
     for node in ast.walk(tree):
-        if id(node) in skip or not isinstance(node, ast.ImportFrom) or node.level != 1:
+        if id(node) in skip or not isinstance(node, ast.ImportFrom) or node.level == 0:
             continue
+        base = here[: len(here) - (node.level - 1)]
         if node.module:
-            out.add(node.module.split(".")[0])
+            out.add(".".join([*base, node.module]))
         else:
-            out.update(a.name for a in node.names)
-    return out
+            out.update(".".join([*base, a.name]) for a in node.names)
+    # (a name imported from a module is not a module: keep what names one)
+    return {m for m in out if m in MODULES or m == "_C"} | {
+        m.rsplit(".", 1)[0] for m in out if m not in MODULES and m.rsplit(".", 1)[0] in MODULES
+    }
+
+
+def _folder(module: str) -> str:
+    """The folder a module lives in ("" for the package's root modules)."""
+    return module.split(".")[0] if "." in module or module in LAYERS else ""
 
 
 class TestLayout(TestCase):
@@ -93,7 +123,7 @@ class TestLayout(TestCase):
         self.assertFalse(users, users)
 
     def test_no_import_cycle(self):
-        graph = {p.stem: _package_imports(p) & {q.stem for q in PY} for p in PY}
+        graph = {_module_name(p): _package_imports(p) & set(MODULES) for p in PY}
 
         def cycle_from(start: str) -> list[str]:
             path, seen = [start], set()
@@ -116,11 +146,55 @@ class TestLayout(TestCase):
         cycles = [" -> ".join(c) for m in sorted(graph) if (c := cycle_from(m))]
         self.assertFalse(cycles, "\n".join(cycles))
 
+    def test_every_import_keeps_the_layers(self):
+        folders = {_folder(m) for m in MODULES}
+        self.assertEqual(folders, set(LAYERS), "a folder with no layer in LAYERS (and docs/design.md), or one gone")
+        bad = []
+        for module, path in MODULES.items():
+            mine = _folder(module)
+            for imported in _package_imports(path, type_checking=True):
+                theirs = _folder(imported)
+                if imported != "_C" and theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+                    bad.append(
+                        f"{module} ({mine or 'root'}, layer {LAYERS[mine]}) imports {imported} (layer {LAYERS[theirs]})"
+                    )
+        self.assertFalse(bad, "\n".join(bad))
+
+    def test_the_design_doc_opens_with_the_layers(self):
+        design = (ROOT / "docs" / "design.md").read_text()
+        tree = design[: design.index("\n## ")]  # what comes before the first section
+        missing = [f for f in LAYERS if f and f"{f}/" not in tree]
+        self.assertFalse(missing, f"docs/design.md's opening tree names no {missing}")
+
+    def test_a_pickle_of_the_flat_package_still_loads(self):
+        import pickle
+
+        import moved_ops  # test/moved_ops.py: the op the pickle names
+
+        payload = pickle.loads(moved_ops.PICKLE.read_bytes())  # names torch_autobatch._op_identity
+        self.assertIs(payload["op"], moved_ops.twice_sin)
+        self.assertIs(payload["module"].op, moved_ops.twice_sin)
+        self.assertIn("torch.ops.moved_ops.twice_sin.default", payload["forward"].code)
+        import torch
+
+        self.assertEqual(payload["forward"](torch.ones(3))["%2"], torch.tensor(1.0))  # graphs run
+
+    def test_the_flat_names_are_the_moved_modules(self):
+        import importlib
+
+        from torch_autobatch._moved import MOVED
+
+        for old, new in MOVED.items():
+            self.assertIs(
+                importlib.import_module(f"torch_autobatch.{old}"), importlib.import_module(f"torch_autobatch.{new}")
+            )
+        self.assertEqual(set(MOVED.values()) | {"core._types"}, {m for m in MODULES if _folder(m)} - set(LAYERS))
+
     def test_every_cited_note_is_written(self):
         files = _sources(
             "csrc/**/*.cpp",
             "csrc/**/*.h",
-            "torch_autobatch/*.py",
+            "torch_autobatch/**/*.py",
             "test/*.py",
             "benchmarks/*.py",
             "examples/*.py",

@@ -120,7 +120,7 @@ class TestRedefinition(TestCase):
         self.assertIsNone(registration(), "its kernels' registration is kept alive")
 
     def test_inductor_table_lists_the_live_definition_only(self):
-        # NOTE [Inductor sees the function] (_compile.py): a stale entry would
+        # NOTE [Inductor sees the function] (graphs/_compile.py): a stale entry would
         # fuse the old function into a compiled call of the new op.
         import torch._inductor.decomposition as decomp
 

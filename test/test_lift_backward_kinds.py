@@ -1,7 +1,7 @@
 """Backwards that use autograd themselves, and opaque backwards and jvps, lifted (issue 47, items 2 and 3).
 
 NOTE [A backward torch.func cannot run runs as eager .backward() runs it]
-(_lift_eager.py): where torch.func cannot run a lifted class's backward (or
+(lift/_eager.py): where torch.func cannot run a lifted class's backward (or
 jvp), it runs on plain tensors below every level, as eager ``.backward()``
 runs it, where nothing differentiates its result again; a second derivative
 through it is an error naming the class. Each class's backward (and jvp) is

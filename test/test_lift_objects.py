@@ -1,6 +1,6 @@
 """Python objects as arguments of a lifted class: constants of the call, kept out of the schema (issue 47, item 1).
 
-NOTE [Python objects as arguments of a lifted Function] (_lift_objects.py).
+NOTE [Python objects as arguments of a lifted Function] (lift/_objects.py).
 Three shapes real libraries ship, each with a backward deliberately 2x the
 true derivative (so a path that differentiated ``forward`` instead fails):
 an operator object rebuilt from tensors passed separately (structured linear
@@ -22,7 +22,7 @@ from torch.autograd import Function
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 from torch.testing._internal.common_utils import TestCase, instantiate_parametrized_tests, parametrize, run_tests
 
-from torch_autobatch import _lift_objects
+from torch_autobatch.lift import _objects as _lift_objects
 
 DT = torch.float64
 
@@ -153,7 +153,7 @@ CASES: dict[str, tuple[type, Callable[[torch.Tensor], torch.Tensor], tuple[int, 
     "index_and_callable": (PickThen, _pick, (3, 4), True),
 }
 # Cells that are a clear error by design: forward mode from a backward that runs autograd on detached
-# copies (NOTE [A backward torch.func cannot run runs as eager .backward() runs it], _lift_eager.py)
+# copies (NOTE [A backward torch.func cannot run runs as eager .backward() runs it], lift/_eager.py)
 CLEAR_ERRORS = {
     ("module_and_options", t): r"forward-mode AD through AdjointStep: the class has no jvp staticmethod"
     for t in ("jvp", "jacfwd")

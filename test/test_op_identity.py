@@ -1,6 +1,6 @@
 """An op is a global: copy and deepcopy return it, pickle refers to it by name (issue 33, item 6).
 
-NOTE [An op is a global] (_op_identity.py). ``copy.deepcopy(model)`` of an
+NOTE [An op is a global] (core/_op_identity.py). ``copy.deepcopy(model)`` of an
 ``nn.Module`` holding an op (ensembles, EMA, model averaging) used to fail
 with "cannot pickle '_DispatchModule'"; the copy's forward must still use the
 op's registered backward, which here is deliberately 2x the true derivative.

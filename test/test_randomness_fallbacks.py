@@ -1,6 +1,6 @@
 """Code run once per example under vmap draws as vmap's ``randomness`` says, as a plain function would.
 
-NOTE [Per-example draws follow vmap's randomness] (torch_autobatch/_per_example.py)
+NOTE [Per-example draws follow vmap's randomness] (torch_autobatch/core/_per_example.py)
 and NOTE [A loop's draws under randomness="error"] (csrc/vmap_loop.cpp).
 Each fallback that runs user code once per example, below the vmap level
 (a lifted legacy class's backward vmap cannot batch, a vmap="loop" op's
@@ -25,7 +25,7 @@ from torch.func import grad, vmap
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from torch_autobatch._per_example import per_example
+from torch_autobatch.core._per_example import per_example
 
 NS = "tab_rand_fallback"
 DTYPE = torch.float64

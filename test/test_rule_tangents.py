@@ -1,6 +1,6 @@
 """Forward mode of an op with a register_vmap rule and no jvp: both transform orders differentiate the rule.
 
-NOTE [Derived tangents differentiate the vmap rule] (torch_autobatch/_rule_tangents.py).
+NOTE [Derived tangents differentiate the vmap rule] (torch_autobatch/op/_rule_tangents.py).
 The rule here is deliberately 3x the batched function, as JAX's tests make a
 rule that is not the function so that which one ran is visible: the primal
 and the tangent must both come from it, under ``jvp(vmap(op))``,

@@ -1,6 +1,6 @@
 """Ops on ``__torch_dispatch__`` tensor subclasses that have no rule for them (issue 36).
 
-NOTE [Subclasses receive the function] in torch_autobatch/_subclass.py: such a
+NOTE [Subclasses receive the function] in torch_autobatch/graphs/_subclass.py: such a
 subclass receives the op's function, run below autograd, while the op's own
 rules govern its derivatives. Every op here registers a backward that returns
 twice the true gradient and is compared with the plain function on the same

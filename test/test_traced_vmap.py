@@ -1,6 +1,6 @@
 """vmap(op) in a graph trace is one node at any batch size, and keeps the op's rules.
 
-NOTE [One node for vmap(op) in a trace] (torch_autobatch/_traced_vmap.py):
+NOTE [One node for vmap(op) in a trace] (torch_autobatch/vmap/_traced.py):
 under a tracer that keeps the op, vmap(op) is one call of the op's vmapped
 companion on the physical tensors. Every op here has a backward 2x the true
 VJP and a jvp 3x the true JVP, so a graph that lost the rules differentiates
@@ -21,7 +21,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_autobatch
-from torch_autobatch import _traced_vmap
+from torch_autobatch.vmap import _traced as _traced_vmap
 
 NS = "tab_traced"
 N = 4

@@ -19,8 +19,8 @@ import torch
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_autobatch
-from torch_autobatch._trace_fx import TraceGraphs
-from torch_autobatch._tracer import Trace, current_trace, trace
+from torch_autobatch.tracing._fx import TraceGraphs
+from torch_autobatch.tracing._tracer import Trace, current_trace, trace
 
 
 # ------------------------------------------------------------------ fixtures

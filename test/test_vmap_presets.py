@@ -1,6 +1,6 @@
 """``vmap="expand_dims"`` / ``"broadcast_all"``: opaque kernels batched by one call per vmap level.
 
-NOTE [vmap presets: the calling convention] (torch_autobatch/_vmap_presets.py).
+NOTE [vmap presets: the calling convention] (torch_autobatch/vmap/_presets.py).
 Two opaque kernels, each with an opaque backward that is deliberately twice
 the true one (so a result that matches proves the user's backward ran):
 

@@ -1,6 +1,6 @@
 """A ``register_vmap`` rule that returns the wrong thing: errors that name the op and the rule.
 
-NOTE [A vmap rule's return is checked] (torch_autobatch/_vmap_check.py).
+NOTE [A vmap rule's return is checked] (torch_autobatch/vmap/_check.py).
 torch's own check speaks of "the autograd.Function's vmap staticmethod", and
 an out_dim out of range or of another type fails as a bare IndexError or
 TypeError; ours names the op, the rule and where it is defined, what was

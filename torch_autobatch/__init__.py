@@ -41,14 +41,18 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 # module level here; the feature that needs one (a dynamic-shape trace, a fake
 # mode, torch.compile) has loaded it already or pays for it once, when used.
 # test/test_import.py checks, in a fresh process, that none of them is imported.
-from ._autograd import BackwardContext
-from ._custom_op import CustomOpDef, custom_op
-from ._lift import LiftedFunction, from_function
-from ._trace_fx import TraceGraphs
-from ._traced_draws import TracedDrawError
-from ._tracer import Trace, current_trace, trace
+from ._moved import install as _install_moved
 from ._upgrade import autobatch
 from ._version import __version__ as __version__
+from .core._autograd import BackwardContext
+from .lift._lifted import LiftedFunction, from_function
+from .op._custom_op import CustomOpDef, custom_op
+from .tracing._fx import TraceGraphs
+from .tracing._tracer import Trace, current_trace, trace
+from .vmap._traced_draws import TracedDrawError
+
+_install_moved()  # NOTE [Modules moved into folders]
+del _install_moved
 
 __all__ = [
     "BackwardContext",

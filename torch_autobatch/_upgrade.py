@@ -32,9 +32,11 @@ import torch
 from torch._library import custom_ops as _torch_custom_ops
 from torch._library import utils as _library_utils
 
-from . import _compile, _lift, _subclass, _vmap_presets
-from ._custom_op import CustomOpDef
-from ._schema import check_schema
+from .core._schema import check_schema
+from .graphs import _compile, _subclass
+from .lift import _lifted as _lift
+from .op._custom_op import CustomOpDef
+from .vmap import _presets as _vmap_presets
 
 FunctionClass = TypeVar("FunctionClass", bound=type)
 Operator = Union[_torch_custom_ops.CustomOpDef, torch._ops.OpOverload, torch._ops.OpOverloadPacket, str]

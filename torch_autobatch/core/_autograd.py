@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch.autograd.function import FunctionCtx
 
-from . import _C
+from .. import _C
 
 
 class BackwardContext(FunctionCtx):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 if TYPE_CHECKING:
-    from ._kernel_side import KernelSide
+    from ._types import KernelSide
 
 _MISSING = object()
 
@@ -172,7 +172,7 @@ def refresh(op: KernelSide) -> None:
 
 
 def _user_code(fn: Any) -> Any:
-    """The user's function behind ``fn``: a lifted ``autograd.Function``'s ``forward`` for its kernel (_lift.py)."""
+    """The user's function behind ``fn``: a lifted ``autograd.Function``'s ``forward`` for its kernel (lift/_lifted.py)."""
     kernel = getattr(fn, "__self__", fn)  # the kernel's bound fwd
     return kernel.forward if hasattr(kernel, "lifted_class") else fn
 
@@ -195,7 +195,7 @@ def _user_code(fn: Any) -> Any:
 # Python of ours wraps) fails with FakeTensorMode's "Please convert all Tensors
 # to FakeTensors first": that error is replaced by one naming the op, the rule,
 # the tensor and the fix. The op's function may read such tensors (NOTE [A
-# fake run of the function reads its tensor constants], _compile.py).
+# fake run of the function reads its tensor constants], graphs/_compile.py).
 def refresh_eager_under_compile(op: KernelSide) -> None:
     """Sets ``op._ab.eager_under_compile`` from what the op's rules read now."""
     ab = op._ab

@@ -83,10 +83,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _closure, _deploy, _import_hook
+from .. import _C
+from ..core import _closure, _import_hook
+from . import _deploy
 
 if TYPE_CHECKING:
-    from ._custom_op import CustomOpDef
+    from ..core._types import CustomOpDef
 
 __all__ = [
     "COMPILE_MODES",
@@ -277,9 +279,9 @@ _PROCESS_NONCE = os.urandom(16)
 def _package_digest() -> bytes:
     """A digest of this package's code: its Python sources and its extension's file (by size and time)."""
     h = hashlib.sha256()
-    here = Path(__file__).resolve().parent
-    for path in sorted(here.glob("*.py")):
-        h.update(path.name.encode() + path.read_bytes())
+    package = Path(__file__).resolve().parent.parent
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode() + path.read_bytes())
     stat = os.stat(_C.__file__)
     h.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
     return h.digest()
@@ -419,7 +421,7 @@ def dissolves_in_trace(overload: torch._ops.OpOverload) -> bool:
 # its dispatch, a vmap level and the op's batched kernel in Python on every
 # run of the graph, and a recompute of the forward in the backward, whose
 # random draws a traced graph cannot replay (NOTE [A traced recompute cannot
-# replay draws], _traced_draws.py). AOTAutograd's tracer is recognised by its
+# replay draws], vmap/_traced_draws.py). AOTAutograd's tracer is recognised by its
 # functionalization mode (FunctionalTensorMode), while not exporting:
 # torch.export and make_fx graphs may be differentiated later, and keep the
 # companion. A vmap="loop" op keeps it too (its loop would put B calls in

@@ -109,7 +109,7 @@ class CompiledNode:
         # backward batched, re-entering the vmap levels (NOTE [Re-entering the
         # vmap levels], csrc/vmap_frames.h): both run eagerly between graphs.
         self.opaque = opdef._ab.vmap_preset is not None or node.has_frames
-        call = getattr(ctx, "vjp_call", None)  # a register_vjp op's (_vjp.py)
+        call = getattr(ctx, "vjp_call", None)  # a register_vjp op's (op/_vjp.py)
         self.vjp_call = None if call is None else _Residuals(call.residual_parts())
 
     def run(self, saved: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from . import _import_hook
+from ..core import _import_hook
 
 if TYPE_CHECKING:
-    from ._custom_op import CustomOpDef
+    from ..core._types import CustomOpDef
 
 __all__ = ["register", "unregister"]
 

@@ -93,7 +93,7 @@ from torch._library import simple_registry
 from torch._library.utils import RegistrationHandle
 
 if TYPE_CHECKING:
-    from ._custom_op import CustomOpDef
+    from ..core._types import CustomOpDef
 
 __all__ = ["SUBCLASS_MODES", "check_mode", "install", "set_mode", "uninstall"]
 
@@ -266,7 +266,7 @@ def _class_dispatch(func: Any, types: Any, args: Any = (), kwargs: Any = None) -
         raise RuntimeError(
             f"torch_autobatch: internal error: the default __torch_dispatch__ rule of {func} was called "
             f"as a class's __torch_dispatch__ for a call it did not decline "
-            f"(NOTE [The torch internals behind the default rule] in torch_autobatch/_subclass.py: torch's dispatch changed?)."
+            f"(NOTE [The torch internals behind the default rule] in torch_autobatch/graphs/_subclass.py: torch's dispatch changed?)."
         )
     return passed[0].__torch_dispatch__(func, types, args, kwargs)
 

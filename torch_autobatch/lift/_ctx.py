@@ -1,6 +1,6 @@
 """The ``ctx`` objects of a lifted legacy ``autograd.Function``: recorded in forward, rebuilt for backward.
 
-NOTE [Lifting an autograd.Function] (_lift.py): what ``forward`` leaves on its ctx is its residuals.
+NOTE [Lifting an autograd.Function] (lift/_lifted.py): what ``forward`` leaves on its ctx is its residuals.
 """
 
 from __future__ import annotations

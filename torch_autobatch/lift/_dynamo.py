@@ -3,7 +3,7 @@
 NOTE [Dynamo and a lifted Function]
 Dynamo never calls ``FunctionClass.apply`` for an ``autograd.Function``
 subclass: it traces the class's ``forward`` and ``backward`` itself, so the
-``apply`` that ``autobatch`` installs (NOTE [Lifting in place], _lift.py) is
+``apply`` that ``autobatch`` installs (NOTE [Lifting in place], lift/_lifted.py) is
 not seen. Under a torch.func transform in a compiled region that silently
 drops the class's rules: ``torch.compile(grad(f))`` differentiates
 ``forward`` by autograd (a backward that is not the derivative of the
@@ -22,8 +22,8 @@ op cannot be recorded there, the call raises Dynamo's graph break, so it
 runs eagerly between compiled graphs (``fullgraph=True`` reports the reason):
 its forward leaves torch and it has no fake kernel, some of its arguments
 are Python objects (NOTE [Python objects as arguments of a lifted Function],
-_lift_objects.py), or its rules read tensor constants (NOTE [A traced rule
-cannot read a tensor constant], _closure.py; ``torch.export`` keeps the op
+lift/_objects.py), or its rules read tensor constants (NOTE [A traced rule
+cannot read a tensor constant], core/_closure.py; ``torch.export`` keeps the op
 whole and traces no rule, so it records the op there). The eager run of that
 call is a frame Dynamo would compile again: the code of the function called
 (``apply``, ``LiftedFunction.__call__``) is marked for Dynamo to skip, with
@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._custom_op import _PLAIN_ERRORS
+from ..op._custom_op import _PLAIN_ERRORS
 
 __all__ = ["allow_in_graph", "traced_call"]
 

@@ -61,9 +61,9 @@ import torch
 from torch._C._functorch import TransformType
 from torch.utils import _pytree as pytree
 
-from ._levels import Popped, restore
-from ._lift_ctx import _CTX_INTERNALS, _ReplayCtx
-from ._per_example import DrewUnderError, per_example
+from ..core._levels import Popped, restore
+from ..core._per_example import DrewUnderError, per_example
+from ._ctx import _CTX_INTERNALS, _ReplayCtx
 
 __all__ = ["NOT_RUN", "ctx_parts", "differentiated_elsewhere", "level_exited", "not_differentiable", "run_as_eager"]
 
@@ -183,7 +183,7 @@ def run_as_eager(
             flat, spec = pytree.tree_flatten(tree)
             saved, attributes, args = pytree.tree_unflatten([_fresh(t, m) for t, m in zip(flat, mask)], spec)
             replay = _ReplayCtx(saved, attributes, needs)
-            if for_forward:  # NOTE [A jvp reads ctx.saved_for_forward] (_forward_mode.py)
+            if for_forward:  # NOTE [A jvp reads ctx.saved_for_forward] (op/_forward_mode.py)
                 replay.saved_for_forward = saved  # type: ignore[attr-defined]
             with torch.no_grad():
                 out = fn(replay, *args)

@@ -1,6 +1,6 @@
 """Arguments of a lifted ``autograd.Function``: each one's kind, and the schema type that holds it.
 
-NOTE [Lifting an autograd.Function] (_lift.py): each combination of kinds is one overload.
+NOTE [Lifting an autograd.Function] (lift/_lifted.py): each combination of kinds is one overload.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._lift_objects import constants_of, resolve
+from ._objects import constants_of, resolve
 
 _Tensor = torch.Tensor
 _NoneType = type(None)
@@ -28,7 +28,7 @@ _SCALAR_SCHEMA = {
     "device": "Device",
     "layout": "Layout",
     "memory_format": "MemoryFormat",
-    "object": "int",  # a handle: NOTE [Python objects as arguments of a lifted Function] (_lift_objects.py)
+    "object": "int",  # a handle: NOTE [Python objects as arguments of a lifted Function] (lift/_objects.py)
 }
 _LIST_SCHEMA = {
     "Tensor": "Tensor[]",

@@ -8,7 +8,7 @@ class becomes one of our ops, with its own derivatives, without editing it:
 - **Legacy** (no ``setup_context``): what ``forward`` leaves on its ``ctx``
   (saved tensors, attributes, ``mark_non_differentiable``,
   ``set_materialize_grads``) are its residuals. That is ``register_vjp``'s
-  contract (NOTE [Residuals of register_vjp] in _vjp.py): ``fwd`` runs
+  contract (NOTE [Residuals of register_vjp] in op/_vjp.py): ``fwd`` runs
   ``forward`` on a recording ctx and returns (output, residuals); ``bwd``
   rebuilds a ctx from the residuals and calls ``backward`` on it. ``forward``
   runs once when differentiated, and the residual tensors are saved by our
@@ -28,7 +28,7 @@ the schema types are exact, so a compiled or exported graph holds the op
 whole. A tuple comes back to ``forward`` as a tuple (the schema's lists are
 lists). An argument no schema holds (a callable, a module, a config object)
 is a constant of the call, kept out of the schema (NOTE [Python objects as
-arguments of a lifted Function], _lift_objects.py).
+arguments of a lifted Function], lift/_objects.py).
 
 What a combination returns is learned before its overload is defined, by
 running ``forward`` once on meta copies of the arguments (a forward made of
@@ -53,9 +53,10 @@ from typing import Any, Optional
 import torch
 from torch._library.utils import RegistrationHandle
 
-from . import _lift_compile, _vmap_presets
-from ._lift_ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
-from ._lift_kinds import (
+from ..vmap import _presets as _vmap_presets
+from . import _dynamo
+from ._ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
+from ._kinds import (
     _OBJECT,
     _kind,
     _kind_token,
@@ -65,10 +66,10 @@ from ._lift_kinds import (
     restoring_setup_context,
     restoring_vmap_rule,
 )
-from ._lift_objects import call_with_objects, constants_of
-from ._lift_outputs import fresh_outputs, fresh_vmap_rule
-from ._lift_probe import _Probe, _probe
-from ._lift_rules import (
+from ._objects import call_with_objects, constants_of
+from ._outputs import fresh_outputs, fresh_vmap_rule
+from ._probe import _Probe, _probe
+from ._rules import (
     _apply_marks,
     _counted,
     _legacy_backward,
@@ -78,7 +79,7 @@ from ._lift_rules import (
     jvp_as_eager,
     once_checked,
 )
-from ._lift_transpose import legacy_transposed_jvp, new_style_transposed_jvp
+from ._transpose import legacy_transposed_jvp, new_style_transposed_jvp
 
 __all__ = ["LiftedFunction", "autobatch_function", "from_function"]
 
@@ -225,7 +226,7 @@ class LiftedFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():  # NOTE [Dynamo and a lifted Function]
-            return _lift_compile.traced_call(self, args, kwargs, in_place=False)
+            return _dynamo.traced_call(self, args, kwargs, in_place=False)
         return self._run(args, kwargs)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -243,7 +244,7 @@ class LiftedFunction:
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
         overload, returns_1_tuple, objects = entry
-        if objects:  # NOTE [Python objects as arguments of a lifted Function] (_lift_objects.py)
+        if objects:  # NOTE [Python objects as arguments of a lifted Function] (lift/_objects.py)
             if not torch._C._are_functorch_transforms_active():
                 return _torch_apply(self._cls, *args)
             names = [self._arg_name(i) for i in range(len(args))]
@@ -344,7 +345,7 @@ class _Kernel:
         ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
         returned = out if isinstance(out, tuple) else (out,)
-        # NOTE [A lifted op's outputs alias nothing] (_lift_outputs.py)
+        # NOTE [A lifted op's outputs alias nothing] (lift/_outputs.py)
         outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
         if ctx.dirty_tensors:
             raise _MarkDirty(_mark_dirty_message(self.cls))
@@ -373,7 +374,7 @@ _new = object.__new__
 
 
 def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Probe) -> Any:
-    from ._custom_op import CustomOpDef, custom_op  # noqa: F401  (import cycle: _upgrade imports us)
+    from ..op._custom_op import CustomOpDef, custom_op  # noqa: F401  (import cycle: _upgrade imports us)
 
     cls = lifted._cls
     sig = lifted._signature
@@ -393,11 +394,11 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
     )
     backward = cls.backward if _defined_by_user(cls, "backward") else cls.vjp
     has_jvp = _defined_by_user(cls, "jvp")
-    # NOTE [Forward mode of a lifted class is its backward's transpose] (_lift_transpose.py): no jvp
+    # NOTE [Forward mode of a lifted class is its backward's transpose] (lift/_transpose.py): no jvp
     # staticmethod, forward mode from the backward; user functions get tuples back (_restore)
     if lifted._new_style:
         setup_context = restoring_setup_context(cls.setup_context, kinds)
-        # NOTE [A backward torch.func cannot run runs as eager .backward() runs it] (_lift_eager.py)
+        # NOTE [A backward torch.func cannot run runs as eager .backward() runs it] (lift/_eager.py)
         as_eager = backward_as_eager(once_checked(backward, cls), f"{cls.__qualname__}.backward")
         op.register_autograd(_counted(as_eager, n_in), setup_context=setup_context)
         if has_jvp:
@@ -471,7 +472,7 @@ def from_function(
             once per vmap level (as in :func:`torch_autobatch.custom_op`).
         compile: as in :func:`torch_autobatch.custom_op`.
     """
-    from . import _compile
+    from ..graphs import _compile
 
     _check_class(cls, "from_function")
     vmap = _vmap_presets.normalize(f"torch_autobatch.from_function({cls.__qualname__})", vmap)
@@ -493,7 +494,7 @@ def from_function(
             _TAKEN.add(name)
         qualname = name
     lifted = LiftedFunction(cls, qualname, vmap, compile)
-    _lift_compile.allow_in_graph(lifted, LiftedFunction.__call__)  # NOTE [Dynamo and a lifted Function]
+    _dynamo.allow_in_graph(lifted, LiftedFunction.__call__)  # NOTE [Dynamo and a lifted Function]
     return lifted
 
 
@@ -529,13 +530,13 @@ def autobatch_function(cls: FunctionClass, /, *, vmap: str = "auto", compile: st
         if klass is not cls:  # a subclass: its own forward
             return original(klass, *args, **kwargs)
         if _is_compiling():  # NOTE [Dynamo and a lifted Function]
-            return _lift_compile.traced_call(lifted, args, kwargs, in_place=True)
+            return _dynamo.traced_call(lifted, args, kwargs, in_place=True)
         return lifted._run(args, kwargs)
 
     apply.__wrapped__ = original  # type: ignore[attr-defined]
     apply.lifted = lifted  # type: ignore[attr-defined]
     cls.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
-    _lift_compile.allow_in_graph(cls, apply)
+    _dynamo.allow_in_graph(cls, apply)
     _rebind_aliases(cls)
     return cls
 

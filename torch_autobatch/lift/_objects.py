@@ -17,10 +17,10 @@ unchanged, from it (``_lift_kinds._restore``). The handles are never
 reused, and the registry holds the constants weakly: the call holds them
 while it runs, and a legacy class's residuals (which our grad node saves)
 while its backward may run ``forward`` again (NOTE [Second derivatives
-through residuals], _vjp.py). A graph that recorded the op (``make_fx``)
+through residuals], op/_vjp.py). A graph that recorded the op (``make_fx``)
 and replays it later finds the constants gone: a clear error, never another
 call's objects. ``torch.compile`` breaks the graph at such a call, with the
-reason (NOTE [Dynamo and a lifted Function], _lift_compile.py).
+reason (NOTE [Dynamo and a lifted Function], lift/_dynamo.py).
 
 A tensor inside an object is invisible to the op's derivatives and batching,
 as a closure's is (NOTE [What the function closes over], csrc/closure.cpp).
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._closure import vars_of
+from ..core._closure import vars_of
 
 __all__ = ["Constants", "call_with_objects", "constants_of", "resolve"]
 

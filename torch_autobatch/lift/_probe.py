@@ -1,6 +1,6 @@
 """What a lifted ``autograd.Function`` returns for a combination of argument kinds, learned before its overload.
 
-NOTE [Lifting an autograd.Function] (_lift.py): ``forward`` runs once on
+NOTE [Lifting an autograd.Function] (lift/_lifted.py): ``forward`` runs once on
 meta copies of the arguments, or on one example's real values where that fails.
 """
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from ._lift_ctx import _mark_dirty_message, _MarkDirty, _RecordingCtx
-from ._lift_kinds import _restore
+from ._ctx import _mark_dirty_message, _MarkDirty, _RecordingCtx
+from ._kinds import _restore
 
 if TYPE_CHECKING:
-    from ._lift import LiftedFunction
+    from ._lifted import LiftedFunction
 
 _Tensor = torch.Tensor
 

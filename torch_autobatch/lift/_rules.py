@@ -1,4 +1,4 @@
-"""A lifted ``autograd.Function``'s own rules as its op's: backward, jvp and ctx marks (NOTE [Lifting an autograd.Function] in _lift.py)."""
+"""A lifted ``autograd.Function``'s own rules as its op's: backward, jvp and ctx marks (NOTE [Lifting an autograd.Function] in lift/_lifted.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from . import _C
-from ._levels import Popped, restore
-from ._lift_ctx import Residuals, _only_saved, _ReplayCtx, _unpack
-from ._lift_eager import NOT_RUN, differentiated_elsewhere, level_exited, not_differentiable, run_as_eager
-from ._per_example import per_example
-from ._vmap_presets import _tangent_level
+from .. import _C
+from ..core._levels import Popped, restore
+from ..core._per_example import per_example
+from ..vmap._presets import _tangent_level
+from ._ctx import Residuals, _only_saved, _ReplayCtx, _unpack
+from ._eager import NOT_RUN, differentiated_elsewhere, level_exited, not_differentiable, run_as_eager
 
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
@@ -45,11 +45,11 @@ def _legacy_backward(backward: Callable[..., Any], n_in: int, cls: FunctionClass
 # A library's backward may use what vmap cannot batch (entmax's sparsemax:
 # ``grad[output == 0] = 0``, boolean-mask indexing). Where it failed on
 # tensors batched by vmap, it runs once per example instead (NOTE [Once per
-# example, in Python] in _per_example.py): the definition of vmap, so the
+# example, in Python] in core/_per_example.py): the definition of vmap, so the
 # same values. That runs below autograd, so only where nothing will
 # differentiate the backward's result again; elsewhere the error stands. It
 # is one case of NOTE [A backward torch.func cannot run runs as eager
-# .backward() runs it] (_lift_eager.py), which says when that is.
+# .backward() runs it] (lift/_eager.py), which says when that is.
 def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., Any]:
     """``backward(ctx, *grads)``, run as eager mode runs it where torch.func cannot (NOTE above)."""
 
@@ -93,7 +93,7 @@ def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., 
 # jacrev and vmap(grad)), so the gradient would silently be None: zeros. A
 # backward that returns None for an input that needs a gradient is run
 # again as eager .backward() runs it (NOTE [A backward torch.func cannot run
-# runs as eager .backward() runs it], _lift_eager.py), on fresh tensors that
+# runs as eager .backward() runs it], lift/_eager.py), on fresh tensors that
 # require grad as eager mode's would, where nothing differentiates its
 # result again; a None there is the backward's own answer, unless ctx keeps
 # an object holding tensors (an operator built in forward): those are the
@@ -120,7 +120,7 @@ def _missing(out: Any, ctx: Any) -> bool:
 def jvp_as_eager(jvp: Callable[..., Any], what: str) -> Callable[..., Any]:
     """``jvp(ctx, *tangents)``, run as eager mode runs it where torch.func cannot.
 
-    NOTE [A backward torch.func cannot run runs as eager .backward() runs it] (_lift_eager.py).
+    NOTE [A backward torch.func cannot run runs as eager .backward() runs it] (lift/_eager.py).
     """
 
     def call(ctx: Any, *tangents: Any) -> Any:
@@ -188,7 +188,7 @@ def _legacy_jvp_setup_context(fwd: Callable[..., Any]) -> Callable[..., None]:
         r = _unpack(residuals)
         saved = r.saved_for_forward if r.saved_for_forward is not None else r.saved
         ctx.replay = _ReplayCtx(saved, r.attributes, tuple(isinstance(a, _Tensor) for a in inputs))
-        if r.saved_for_forward is not None:  # NOTE [A jvp reads ctx.saved_for_forward] (_forward_mode.py)
+        if r.saved_for_forward is not None:  # NOTE [A jvp reads ctx.saved_for_forward] (op/_forward_mode.py)
             ctx.replay.saved_for_forward = saved
         _mark_as_forward_did(ctx, output, residuals)
 
@@ -224,7 +224,7 @@ def _forward_below_this_level(fwd: Callable[..., Any], inputs: tuple[Any, ...]) 
 def _forward_or_per_example(fwd: Callable[..., Any], inputs: tuple[Any, ...]) -> Residuals:
     """``fwd``'s residuals; once per example where the forward cannot run on tensors a vmap batches (numpy).
 
-    NOTE [Once per example, in Python] (_per_example.py), as the op's own
+    NOTE [Once per example, in Python] (core/_per_example.py), as the op's own
     vmap="loop" runs that forward.
     """
     cls = getattr(getattr(fwd, "__self__", None), "cls", None)  # (a lifted class's _Kernel.fwd)
@@ -270,7 +270,7 @@ def _mark_as_forward_did(ctx: Any, output: Any, residuals: Residuals) -> None:
 # error now, naming the class: torch.func has no lazy error node, and a jvp
 # level's derivative is taken as the backward runs). vmap levels batch, they
 # do not differentiate. Forward mode derived from such a backward (NOTE
-# [Forward mode of a lifted class is its backward's transpose], _lift_transpose.py) is refused too.
+# [Forward mode of a lifted class is its backward's transpose], lift/_transpose.py) is refused too.
 class OnceDifferentiableError(RuntimeError):
     """A second derivative through a lifted class whose backward is ``@once_differentiable``."""
 

@@ -1,6 +1,6 @@
 """Forward mode of a lifted ``autograd.Function`` with no ``jvp`` staticmethod: its backward, transposed.
 
-NOTE [Lifting an autograd.Function] (_lift.py) maps a class onto an op; this
+NOTE [Lifting an autograd.Function] (lift/_lifted.py) maps a class onto an op; this
 module gives that op a jvp where the class has none.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ._lift_kinds import restoring_setup_context
-from ._lift_rules import (
+from ._kinds import restoring_setup_context
+from ._rules import (
     FunctionClass,
     OnceDifferentiableError,
     _counted,
@@ -76,7 +76,7 @@ def transpose_backward(
         grads = pullback(*full)
         grads = grads if isinstance(grads, tuple) else (grads,)
         for i, (g, t) in enumerate(zip(grads, tangents)):
-            if g is None and isinstance(t, _Tensor):  # NOTE [A backward that asks requires_grad] (_lift_rules.py)
+            if g is None and isinstance(t, _Tensor):  # NOTE [A backward that asks requires_grad] (lift/_rules.py)
                 raise _SkippedGradient(
                     f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
                     f"staticmethod, so its forward mode is the transpose of its backward, and the backward "

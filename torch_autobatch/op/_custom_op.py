@@ -20,9 +20,6 @@ The private methods at the end are the Python half of those kernels.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
-import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, TypeVar, Union, overload
 
@@ -31,28 +28,18 @@ from torch._library import custom_ops as _torch_custom_ops
 from torch._library import simple_registry
 from torch._library import utils as _library_utils
 
-from . import _C, _closure, _compile, _subclass, _vjp, _vjp_check, _vmap_presets, _warn
+from .. import _C
+from ..core import _closure, _warn
+from ..core._op_identity import OpIdentity
+from ..core._schema import schema_of
+from ..core._warn import user_source as _user_source
+from ..graphs import _compile, _subclass
+from ..vmap import _presets as _vmap_presets
+from . import _vjp, _vjp_check
 from ._kernel_side import KernelSide, OpExtras, mark_gone, takes_keyword_only_inputs
-from ._op_identity import OpIdentity
-from ._schema import schema_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _user_source() -> str:
-    """``file:line`` of the innermost caller outside torch_autobatch and torch (the user's definition)."""
-    frame: Optional[types.FrameType] = sys._getframe(1)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not (path.startswith(_PACKAGE_DIR + os.sep) or path.startswith(_TORCH_DIR + os.sep)):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
 
 
 def _undo_registration(qualname: str, op: Any) -> None:
@@ -380,7 +367,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         (``create_graph=True``, ``hessian``) differentiates ``bwd`` through
         ``fwd``, as JAX's ``custom_vjp`` does: ``fwd`` runs again, recorded,
         in that backward only (NOTE [Second derivatives through residuals]
-        in ``_vjp.py``)::
+        in ``op/_vjp.py``)::
 
             >>> @torch_autobatch.custom_op("doc_register_vjp::tanh_mul", mutates_args=())
             ... def tanh_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The C++ side (``csrc/forward_mode.cpp``, NOTE [Forward mode]) decides which
 rule governs each level and checks every tangent (NOTE [One gate for every
 user tangent]); it calls back here, through the op's
-``_run_jvp`` / ``_composite_tangents`` (``_kernel_side.py``), for the two
+``_run_jvp`` / ``_composite_tangents`` (``op/_kernel_side.py``), for the two
 ways of computing output tangents: the registered jvp, or forward-mode AD of
 the op's own function.
 """
@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from . import _C, _vmap_presets
-from ._autograd import BackwardContext, check_saveable
+from .. import _C
+from ..core._autograd import BackwardContext, check_saveable
+from ..vmap import _presets as _vmap_presets
 from ._rule_tangents import rule_tangents
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def run_jvp(
     tangents: tuple[Any, ...],
     needs_input_grad: tuple[bool, ...],
 ) -> tuple[Any, ...]:
-    # NOTE [needs_input_grad counts the arguments passed] (_autograd.py): as the backward's ctx.
+    # NOTE [needs_input_grad counts the arguments passed] (core/_autograd.py): as the backward's ctx.
     ctx = BackwardContext(op._needs_as_passed(inputs, needs_input_grad))
     output = outputs[0] if op._ab.num_returns == 1 else outputs
     setup, kwonly = (
@@ -97,7 +98,7 @@ def composite_tangents(
     """Forward-mode AD of the op's own function on dual inputs: the output tangents.
 
     Or of its vmap rule, where that made the primal: NOTE [Derived tangents
-    differentiate the vmap rule] (_rule_tangents.py).
+    differentiate the vmap rule] (op/_rule_tangents.py).
     """
     from_rule = rule_tangents(op, positional, kwargs)
     if from_rule is not None:

@@ -20,9 +20,14 @@ from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._library import utils as _library_utils
 
-from . import _closure, _compile, _forward_mode, _traced_vmap, _vjp, _vmap_presets
-from ._autograd import BackwardContext, num_passed, trailing_defaults
-from ._vmap_check import checked_rule
+from ..core import _closure
+from ..core._autograd import BackwardContext, num_passed, trailing_defaults
+from ..core._types import OpExtras
+from ..graphs import _compile
+from ..vmap import _presets as _vmap_presets
+from ..vmap import _traced as _traced_vmap
+from ..vmap._check import checked_rule
+from . import _forward_mode, _vjp
 
 if TYPE_CHECKING:
     import torch._ops
@@ -49,99 +54,6 @@ def takes_keyword_only_inputs(setup_context: Optional[Callable[..., Any]]) -> bo
     return True
 
 
-class OpExtras:
-    """What torch_autobatch keeps per op beyond torch's CustomOpDef.
-
-    One slotted attribute rather than several instance attributes: torch's
-    vmap copies the op's ``__dict__`` into its wrapper on every ``vmap(op)``
-    call (functools.wraps), at ~0.1 us an entry.
-    """
-
-    __slots__ = (
-        "kwarg_only",
-        "positional_grads_ok",
-        "num_returns",
-        "setup_context_kwonly",
-        "jvp_fn",
-        "jvp_setup_context_fn",
-        "jvp_setup_context_kwonly",
-        "registration",
-        "inductor_decomposition",
-        "vjp_fwd",
-        "vjp_bwd",
-        "vjp_bwd_takes_needs_input_grad",
-        "vjp_checked",
-        "vjp_setup_hook",
-        "vjp_fwd_is_function",
-        "vmap_loop",
-        "loop_on_failure",
-        "trailing_defaults",
-        "vmap_preset",
-        "vmapped_companion",
-        "_eager_under_compile",
-        "gone",
-        "guarded",
-    )
-
-    def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
-        #: Names of the keyword-only arguments, in schema order.
-        self.kwarg_only = kwarg_only
-        #: A backward may return gradients for the positional inputs only.
-        self.positional_grads_ok = positional_grads_ok
-        self.num_returns = num_returns
-        #: Does setup_context take ``keyword_only_inputs``?
-        self.setup_context_kwonly = False
-        self.jvp_fn: Optional[Callable[..., Any]] = None
-        self.jvp_setup_context_fn: Optional[Callable[..., Any]] = None
-        self.jvp_setup_context_kwonly = False
-        self.registration: Any = None  # _C's handle on our kernels' OpState
-        #: Its entry in Inductor's table (NOTE [Inductor sees the function]), or None.
-        self.inductor_decomposition: Optional[Callable[..., Any]] = None
-        #: register_vjp's functions (NOTE [Residuals of register_vjp]), or None.
-        self.vjp_fwd: Optional[Callable[..., Any]] = None
-        self.vjp_bwd: Optional[Callable[..., Any]] = None
-        #: Does ``vjp_bwd`` take ``needs_input_grad=`` (a bool per input)?
-        self.vjp_bwd_takes_needs_input_grad = False
-        #: The input keys whose fwd output was checked: NOTE [fwd returns what the op returns].
-        self.vjp_checked: dict[Any, bool] = {}
-        #: Called as ``hook(ctx, output, residuals)`` in register_vjp's setup_context,
-        #: or None (a lifted legacy Function's ctx marks: NOTE [Lifting an autograd.Function]).
-        self.vjp_setup_hook: Optional[Callable[..., None]] = None
-        #: The op's function is fwd's output itself (a lifted legacy Function):
-        #: nothing to check (NOTE [fwd returns what the op returns]).
-        self.vjp_fwd_is_function = False
-        #: vmap="loop": under vmap, register_vjp's fwd runs once per example too
-        #: (NOTE [fwd per example under vmap="loop"] in _vjp.py).
-        self.vmap_loop = False
-        #: A call whose function fails on batched tensors runs per example, fwd too
-        #: (NOTE [A forward vmap cannot batch runs per example], csrc/batched_kernel.cpp).
-        self.loop_on_failure = False
-        #: The trailing positional defaults, last first, once known (NOTE
-        #: [needs_input_grad counts the arguments passed] in _autograd.py).
-        self.trailing_defaults: Optional[tuple[Any, ...]] = None
-        #: ``vmap="expand_dims"`` / ``"broadcast_all"``, or None (NOTE [vmap presets: the calling convention]).
-        self.vmap_preset: Optional[str] = None
-        #: vmap(op)'s one node in a graph trace, once defined (NOTE [One node for vmap(op) in a trace]).
-        self.vmapped_companion: Any = None
-        #: The error a call raises once the op's definition is gone, or None
-        #: (NOTE [A redefined op's old object is stale]).
-        self.gone: Optional[str] = None
-        #: Does a call take the slow path (``eager_under_compile`` or ``gone`` set)?
-        self.guarded = False
-        self._eager_under_compile: Optional[Callable[..., Any]] = None
-
-    @property
-    def eager_under_compile(self) -> Optional[Callable[..., Any]]:
-        """The op's call, run between compiled graphs where its rules read tensor
-        constants, or None (NOTE [A traced rule cannot read a tensor constant])."""
-        return self._eager_under_compile
-
-    @eager_under_compile.setter
-    def eager_under_compile(self, eager: Optional[Callable[..., Any]]) -> None:
-        self._eager_under_compile = eager
-        self.guarded = eager is not None or self.gone is not None
-
-
 # NOTE [A redefined op's old object is stale]
 # torch.library lets an op's name be defined again: custom_op destroys the old
 # definition's Library, and the dispatcher frees the old operator entry once
@@ -152,8 +64,8 @@ class OpExtras:
 # deregisters our kernels (NOTE [Kernels die with their op]), and from then on
 # every way a call of ours reaches the dispatcher through it raises a clear
 # error naming the op and what to call instead: the op's __call__ (so
-# vmap(op), grad(op), ...), a lifted class's cached overloads (_lift.py), and
-# the companion of a graph recorded before the redefinition (_traced_vmap.py).
+# vmap(op), grad(op), ...), a lifted class's cached overloads (lift/_lifted.py), and
+# the companion of a graph recorded before the redefinition (vmap/_traced.py).
 # Registering a rule on the old object raises the same error (the rule would
 # reach no operator). An OpOverload the user keeps (torch.ops.ns.name.default across a
 # redefinition) is torch's, with torch's behaviour.

@@ -37,8 +37,8 @@ from torch._functorch.autograd_function import VmapInfo
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.utils import _pytree as pytree
 
-from ._levels import Popped, restore
-from ._vmap_check import checked_rule
+from ..core._levels import Popped, restore
+from ..vmap._check import checked_rule
 
 if TYPE_CHECKING:
     from ._kernel_side import KernelSide
@@ -173,7 +173,7 @@ def _front(t: torch.Tensor, level: int, batch_size: int, between: list[int]) -> 
     rest = [(lv, p) for lv, p in layers if lv != level]
     # The levels from ``level`` up are off the stack for the view ops, and
     # restored on every exit, by one C call (NOTE [Popping levels,
-    # interruptibly] in _levels.py: not a contextmanager, whose exit
+    # interruptibly] in core/_levels.py: not a contextmanager, whose exit
     # runs Python before the restore).
     popped = Popped()
     try:

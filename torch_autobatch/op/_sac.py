@@ -7,7 +7,7 @@ runs a region's forward under a caching dispatch mode that keeps the output
 of each op its policy saves (MUST_SAVE/PREFER_SAVE) in a storage shared with a
 cached mode; the backward replays the region under the cached mode, which
 returns the kept output instead of running that op again, and recomputes the
-rest. Our op's residuals (NOTE [Residuals of register_vjp], _vjp.py) are
+rest. Our op's residuals (NOTE [Residuals of register_vjp], op/_vjp.py) are
 computed by ``fwd`` inside its kernel, below the caching mode, which sees only
 the op. On the replay the cached mode returns the op's output without its
 kernel, so no kernel answers the residual request; ``setup_context`` would run

@@ -42,8 +42,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _closure, _compile, _sac, _vmap_presets
-from ._per_example import RandomState, per_example
+from .. import _C
+from ..core import _closure
+from ..core._per_example import RandomState, per_example
+from ..graphs import _compile
+from ..vmap import _presets as _vmap_presets
+from . import _sac
 from ._vjp_check import check_fwd_output, forget_checks, fwd_name
 
 if TYPE_CHECKING:
@@ -164,7 +168,7 @@ def _residuals_per_example(op: CustomOpDef, args: tuple[Any, ...], kwargs: dict[
     torch), and neither can its register_vjp ``fwd``. Where setup_context
     must run fwd itself (the loop answered no residual request), it runs it
     the way the loop ran the function: per example (NOTE [Once per example,
-    in Python] in _per_example.py). A Python value in the residuals must be
+    in Python] in core/_per_example.py). A Python value in the residuals must be
     the same for every example (it cannot be batched).
     """
     return per_example(lambda a, k: run_fwd(op, a, k)[1], (args, kwargs), f"the fwd of {op._qualname} ({fwd_name(op)})")

@@ -15,9 +15,9 @@ What each check compares, and which run by default (``exhaustive=False``),
 is listed in :data:`CHECKS` and in docs/api.md. Nothing here is imported by
 ``import torch_autobatch``; torch._dynamo and friends are imported inside the
 checks that need them (NOTE [Lazy heavy imports] in ``__init__.py``).
-The checks live in ``_check_derivatives.py``, ``_check_batching.py`` and
-``_check_op.py``, the prepared samples and the
-comparisons (NOTE [How check compares]) in ``_check_case.py``.
+The checks live in ``testing/_derivatives.py``, ``testing/_batching.py`` and
+``testing/_op.py``, the prepared samples and the
+comparisons (NOTE [How check compares]) in ``testing/_case.py``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._check_batching import _check_grad_vmap, _check_second_thread, _check_vmap, _check_vmap_grad, _check_vmap_jvp
-from ._check_case import (
+from ._batching import _check_grad_vmap, _check_second_thread, _check_vmap, _check_vmap_grad, _check_vmap_jvp
+from ._case import (
     DEFAULT_SHAPES,
     FAIL,
     OK,
@@ -46,7 +46,7 @@ from ._check_case import (
     _Op,
     _Skip,
 )
-from ._check_derivatives import (
+from ._derivatives import (
     _check_backward_fd,
     _check_backward_function,
     _check_double_backward,
@@ -61,7 +61,7 @@ from ._check_derivatives import (
     _check_opcheck,
     _check_vjp,
 )
-from ._check_op import (
+from ._op import (
     _check_compile_aot_eager,
     _check_compile_eager,
     _check_compile_grad,
@@ -343,7 +343,7 @@ def check(
 
 def _lifted_of(op: Any) -> tuple[Any, Optional[Callable[..., Any]]]:
     """A lifted ``autograd.Function`` and what calls it (``Cls.apply`` where lifted in place), or (None, None)."""
-    from ._lift import _LIFTED, LiftedFunction
+    from ..lift._lifted import _LIFTED, LiftedFunction
 
     if isinstance(op, LiftedFunction):
         return op, None

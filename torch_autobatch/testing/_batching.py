@@ -1,6 +1,6 @@
 """Checks of an op under ``vmap``: its batching rule against a per-example loop, per-example gradients, a second thread.
 
-The same contract as ``_check_derivatives.py``: ``_check_<name>(case, exhaustive)``
+The same contract as ``testing/_derivatives.py``: ``_check_<name>(case, exhaustive)``
 passes, or raises ``_Skip`` / ``_Fail``.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._check_case import (
+from ._case import (
     _BATCH,
     _Case,
     _compare,

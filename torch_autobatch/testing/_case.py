@@ -2,9 +2,9 @@
 
 A :class:`_Case` is one sample of one op, ready for every check: its tensor
 leaves, which are differentiated, the cotangents and tangents, the eager
-references, the tolerances. The checks themselves are in ``_check_derivatives.py``,
-``_check_batching.py`` and ``_check_op.py``;
-the public surface and the report in ``testing.py``.
+references, the tolerances. The checks themselves are in ``testing/_derivatives.py``,
+``testing/_batching.py`` and ``testing/_op.py``;
+the public surface and the report in ``testing/__init__.py``.
 
 NOTE [How check compares]
 Every check runs on a *working sample*: the sample with its floating tensors

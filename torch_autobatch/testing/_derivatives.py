@@ -3,7 +3,7 @@
 Each ``_check_<name>(case, exhaustive)`` returns when the check passes and
 raises ``_Skip(why)`` where it does not apply or ``_Fail(why, argument,
 max_error)``; any other exception is a failure too (``testing.check``
-reports it). NOTE [How check compares] (``_check_case.py``) says what is
+reports it). NOTE [How check compares] (``testing/_case.py``) says what is
 compared with what.
 """
 
@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from ._check_case import (
+from ._case import (
     _FD_FULL_MAX,
     _Case,
     _compare,

@@ -1,6 +1,6 @@
 """Checks of the op as a real op: ``torch.compile``, ``torch.ops`` identity, graphs that keep it whole, memory.
 
-The same contract as ``_check_derivatives.py``: ``_check_<name>(case, exhaustive)``
+The same contract as ``testing/_derivatives.py``: ``_check_<name>(case, exhaustive)``
 passes, or raises ``_Skip`` / ``_Fail``. torch._dynamo, make_fx and
 torch.export are imported inside the checks that use them (NOTE [Lazy heavy
 imports] in ``__init__.py``).
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._check_case import (
+from ._case import (
     _Case,
     _compare,
     _Fail,

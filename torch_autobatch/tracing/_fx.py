@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ._trace_record import _ACCUMULATE, _Entry, _Input, _Tensor, _Value
+from ._record import _ACCUMULATE, _Entry, _Input, _Tensor, _Value
 
 __all__ = ["TraceGraphs", "build_graphs"]
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = ["read_record"]
 

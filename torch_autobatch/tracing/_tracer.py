@@ -56,9 +56,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _C
-from ._trace_fx import TraceGraphs, build_graphs
-from ._trace_record import _ACCUMULATE, _Entry, _Tensor, _Value, read_record
+from .. import _C
+from ._fx import TraceGraphs, build_graphs
+from ._record import _ACCUMULATE, _Entry, _Tensor, _Value, read_record
 
 __all__ = ["Trace", "current_trace", "trace"]
 

@@ -1,6 +1,6 @@
 """Random draws of a vmap preset's calls, against the vmap's ``randomness`` (NOTE below).
 
-The presets (NOTE [vmap presets: the calling convention], _vmap_presets.py)
+The presets (NOTE [vmap presets: the calling convention], vmap/_presets.py)
 call user code once per vmap level, below it; this module tells whether a
 call drew, and gives the plain function's answer where it did.
 """
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch._C._functorch import RandomnessType
 
-from ._per_example import DrewUnderError, RandomState
+from ..core._per_example import DrewUnderError, RandomState
 
 if TYPE_CHECKING:
-    from ._kernel_side import KernelSide
+    from ..core._types import KernelSide
 
 __all__ = ["Draws"]
 
@@ -25,7 +25,7 @@ __all__ = ["Draws"]
 # functorch never sees its random ops: one call draws independently for every
 # example whatever the vmap asked. That is right for ``randomness="different"``
 # (nothing is read). For the others a draw is seen as a change of the random
-# state (:class:`~torch_autobatch._per_example.RandomState`: the CPU
+# state (:class:`~torch_autobatch.core._per_example.RandomState`: the CPU
 # generator's, and the arguments' devices'), read before and after the call,
 # and the plain function's answer is given: under ``"error"`` (vmap's default)
 # at any vmap level the call ran below, functorch's error, naming the op and

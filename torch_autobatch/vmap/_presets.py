@@ -65,7 +65,7 @@ level** with plain tensors:
   wherever an input is], csrc/batched_kernel.cpp) is the batched kernel's,
   after the rule: an output returned unbatched (leading 1) is still given
   its batch dim before grad nodes are attached.
-- Random draws: NOTE [A preset's draws follow vmap's randomness] (_preset_draws.py).
+- Random draws: NOTE [A preset's draws follow vmap's randomness] (vmap/_preset_draws.py).
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ from torch._C import _functorch as _ft
 from torch._C._functorch import TransformType
 from torch.utils import _pytree as pytree
 
-from . import _C
-from ._levels import Popped, restore
+from .. import _C
+from ..core._levels import Popped, restore
 from ._preset_draws import _DIFFERENT, _ERROR, _SAME, Draws
 
 if TYPE_CHECKING:
-    from ._kernel_side import KernelSide
+    from ..core._types import KernelSide
 
 # Not in torch's type stubs.
 _is_dead: Callable[[torch.Tensor], bool] = getattr(_ft, "is_dead_tensor_wrapper")  # noqa: B009

@@ -60,8 +60,8 @@ from torch._C import _functorch as _ft
 from torch.autograd import forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
-from . import _C
-from ._levels import Popped, restore
+from .. import _C
+from ..core._levels import Popped, restore
 from ._traced_draws import (
     _composite,
     _differ,
@@ -75,7 +75,7 @@ from ._traced_draws import (
 )
 
 if TYPE_CHECKING:
-    from ._kernel_side import KernelSide
+    from ..core._types import KernelSide
 
 __all__ = ["companion", "companion_name", "inside_rules", "run"]
 
@@ -279,7 +279,7 @@ def _inputs(ctx: Any) -> list[Any]:
 # levels (:func:`_untracked`), so no node in it finds an input tracked
 # beyond it and runs fwd again. Only a backward that is itself
 # differentiated (``_VjpCall.residuals`` is None: the question an op's node
-# asks, NOTE [Second derivatives through residuals] in _vjp.py, answered the
+# asks, NOTE [Second derivatives through residuals] in op/_vjp.py, answered the
 # same way) recomputes on the inputs as saved, so its result is tracked;
 # an op's fwd then runs again there, and draws anew: NOTE [A companion draws
 # what its forward drew] makes that an error. A forward that cannot draw,

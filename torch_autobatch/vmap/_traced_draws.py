@@ -1,6 +1,6 @@
 """Random draws of a traced ``vmap(op)``'s companion: the forward's kept, a recompute's watched.
 
-NOTE [One node for vmap(op) in a trace] (_traced_vmap.py) is the companion;
+NOTE [One node for vmap(op) in a trace] (vmap/_traced.py) is the companion;
 this module keeps what makes its derivatives belong to the forward's draws.
 """
 
@@ -15,7 +15,7 @@ from torch._C import _functorch as _ft
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
-    from ._kernel_side import KernelSide
+    from ..core._types import KernelSide
 
 __all__ = ["TracedDrawError"]
 
@@ -29,7 +29,7 @@ __all__ = ["TracedDrawError"]
 # and where nothing draws again. Not so: a jvp recompute under which a
 # register_vjp op runs fwd (drawing otherwise than the function that computed
 # the primal), an op's fwd run again in a backward whose inputs stay tracked
-# (NOTE [Second derivatives through residuals], _vjp.py: create_graph=True,
+# (NOTE [Second derivatives through residuals], op/_vjp.py: create_graph=True,
 # an outer AD level, a loop op's examples). So, run eagerly, a backward
 # checks that the generators end where the forward left them (their states
 # after the forward are kept with the node), and a jvp that its recomputed
