@@ -326,5 +326,43 @@ class TestAliasingOutputs(TestCase):
 
 instantiate_parametrized_tests(TestAliasingOutputs)
 
+
+# ------------------------- NOTE [Attributes a forward sets on its outputs] (lift/_outputs.py)
+class StraightThrough(Function):
+    """round(x), carrying the soft value on the output (pyro's straight-through distributions); 2x backward."""
+
+    @staticmethod
+    def forward(ctx, soft):
+        hard = soft.round()
+        hard._unquantize = soft
+        return hard
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def _straight_through_loss(x: torch.Tensor) -> torch.Tensor:
+    hard = StraightThrough.apply(x * 1.5)
+    soft = getattr(hard, "_unquantize", hard)  # the library's reading: the soft value where it is there
+    return (hard * soft.sin()).sum()
+
+
+class TestAttributesOnOutputs(TestCase):
+    @parametrize("transform", ["grad", "vmap_grad", "jacrev"])
+    def test_an_input_hung_on_the_output_is_the_user_s_argument(self, transform):
+        x = torch.randn(4, dtype=torch.float64)
+        eager = x.clone().requires_grad_()
+        _straight_through_loss(eager).backward()  # unlifted
+        with lifted_in_place(StraightThrough):
+            if transform == "grad":
+                self.assertEqual(grad(_straight_through_loss)(x), eager.grad)
+            elif transform == "vmap_grad":
+                self.assertEqual(vmap(grad(_straight_through_loss))(x.expand(2, 4))[1], eager.grad)
+            else:
+                self.assertEqual(jacrev(_straight_through_loss)(x), eager.grad)
+
+instantiate_parametrized_tests(TestAttributesOnOutputs)
+
 if __name__ == "__main__":
     run_tests()

@@ -389,8 +389,64 @@ class TestBackwardsThatAskRequiresGrad(TestCase):
             with self.assertRaisesRegex(RuntimeError, r"GatedSolve.backward returned None .* keeps ctx.op \(_Diag\)"):
                 grad(lambda d: GatedSolve.apply(rhs, d).sum())(d)
 
+    def test_a_skipped_gradient_of_a_tensor_in_a_nested_ctx_object_is_an_error_naming_it(self):
+        class _Sum:  # an operator of operators
+            def __init__(self, *parts: Any) -> None:
+                self.parts = parts
+
+        class NestedSolve(GatedSolve):
+            @staticmethod
+            def forward(ctx, rhs, d):
+                ctx.op = _Sum(_Diag(d), _Diag(d))
+                out = rhs / d
+                ctx.save_for_backward(out)
+                return out
+
+            @staticmethod
+            def backward(ctx, g):
+                (out,) = ctx.saved_tensors
+                d = ctx.op.parts[0].d
+                return 2 * g / d, (-2 * g * out / d if d.requires_grad else None)
+
+        rhs, d = _r(3), _r(3).abs() + 0.5
+        with lifted_in_place(NestedSolve):
+            with self.assertRaisesRegex(RuntimeError, r"NestedSolve.backward returned None .* keeps ctx.op \(_Sum\)"):
+                grad(lambda d: NestedSolve.apply(rhs, d).sum())(d)
+
+
+class NoGradDouble(Function):
+    """2x; forward and backward under no_grad (memory-efficient-attention's FlashAttentionFunction does)."""
+
+    @staticmethod
+    @torch.no_grad()
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, g):
+        return g * 4  # 2x the derivative
+
+
+class TestABackwardUnderNoGrad(TestCase):
+    def test_reverse_mode_is_the_class_s_backward(self):
+        x = _r(3)
+        with lifted_in_place(NoGradDouble):
+            self.assertEqual(jacrev(NoGradDouble.apply)(x), 4 * torch.eye(3, dtype=DT))
+
+    @parametrize("transform", ["jvp", "jacfwd"])
+    def test_forward_mode_is_an_error_naming_the_class_not_zeros(self, transform):
+        x = _r(3)
+        with lifted_in_place(NoGradDouble):
+            with self.assertRaisesRegex(RuntimeError, r"NoGradDouble: .* does not depend on its cotangent"):
+                if transform == "jvp":
+                    jvp(NoGradDouble.apply, (x,), (torch.ones_like(x),))
+                else:
+                    jacfwd(NoGradDouble.apply)(x)
+
 
 instantiate_parametrized_tests(TestBackwardsThatAskRequiresGrad)
+instantiate_parametrized_tests(TestABackwardUnderNoGrad)
 
 if __name__ == "__main__":
     run_tests()

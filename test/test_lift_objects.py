@@ -284,12 +284,21 @@ class TestPythonObjectArguments(TestCase):
             ):
                 grad(loss)(params)
 
-    def test_a_backward_run_on_copies_is_refused_where_outer_autograd_may_differentiate_it(self):
+    def test_a_backward_run_on_copies_with_parameters_requiring_grad_refuses_a_second_derivative(self):
         field = Field()  # its parameters require grad: grad(f)(y) is differentiable with respect to them
         y = torch.randn(3, dtype=DT)
+
+        def f(y: torch.Tensor) -> torch.Tensor:
+            return AdjointStep.apply(field, y, {"step_size": 0.5}, *field.parameters()).sum()
+
+        want = _eager_grad(f, y, torch.ones((), dtype=DT))  # unlifted
         with lifted_in_place(AdjointStep):
-            with self.assertRaisesRegex(RuntimeError, r"AdjointStep.backward is not differentiable by torch"):
-                grad(lambda y: AdjointStep.apply(field, y, {"step_size": 0.5}, *field.parameters()).sum())(y)
+            got = grad(f)(y)  # NOTE [Autograd at the base]: first order runs, as eager mode
+            self.assertEqual(got, want)
+            with self.assertRaisesRegex(RuntimeError, r"AdjointStep.backward ran as eager .backward\(\) runs it"):
+                got.sum().backward()  # differentiated again at the base: refused, never a silent zero
+            got = vmap(grad(f))(torch.stack([y, 2 * y]))
+            self.assertEqual(got[1], _eager_grad(f, 2 * y, torch.ones((), dtype=DT)))
 
     def test_a_tracked_tensor_only_inside_an_object_is_an_error_naming_it(self):
         with lifted_in_place(OperatorMatmul):

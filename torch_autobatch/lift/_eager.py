@@ -72,7 +72,7 @@ _forward_ad = torch.autograd.forward_ad
 _functorch = torch._C._functorch
 _is_dead: Callable[[_Tensor], bool] = getattr(_functorch, "is_dead_tensor_wrapper")  # noqa: B009
 
-_EAGER, _ONCE, _AGAIN = range(3)
+_EAGER, _ONCE, _AGAIN, _GUARDED = range(4)
 _REPLAY_OWN = frozenset({*_CTX_INTERNALS, "saved_tensors", "saved_variables", "transposed", "transposed_outputs"})
 _AD = (TransformType.Grad, TransformType.Jvp)
 #: :func:`run_as_eager`'s answer where the function must run as it is (it is differentiated again).
@@ -89,9 +89,18 @@ def level_exited(own: int) -> bool:
     return own > 0 and _functorch.peek_interpreter_stack() is None
 
 
-def _how(leaves: list[Any], own: Optional[int], own_live: bool, live: set[int], own_may_differentiate: bool) -> int:
-    """_EAGER (no torch.func level involved), _ONCE (first derivative only) or _AGAIN (differentiated again)."""
+def _how(
+    leaves: list[Any],
+    own: Optional[int],
+    own_live: bool,
+    live: set[int],
+    own_may_differentiate: bool,
+    base_is_again: bool = False,
+) -> int:
+    """_EAGER (no torch.func level involved), _ONCE (first derivative only), _AGAIN (differentiated again),
+    or _GUARDED (first derivative, with a tensor autograd tracks at the base: NOTE [Autograd at the base])."""
     wrapped = bool(own)
+    base = False
     for t in leaves:
         if not isinstance(t, _Tensor):
             continue
@@ -103,29 +112,42 @@ def _how(leaves: list[Any], own: Optional[int], own_live: bool, live: set[int], 
                     return _AGAIN
             t = _functorch.get_unwrapped(t)
         if t.requires_grad and torch.is_grad_enabled():
-            return _AGAIN
+            if base_is_again:
+                return _AGAIN
+            base = True
         if _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(t).tangent is not None:
             return _AGAIN
-    return _ONCE if wrapped else _EAGER
+    if not wrapped:
+        return _EAGER
+    return _GUARDED if base else _ONCE
 
 
 def _requires_grad(t: Any, own: Optional[int], own_live: bool) -> bool:
     """Would eager mode's tensor require grad (NOTE above)?
 
-    As its wrapper at the own level (or a dead one) does; a plain tensor
-    whose level exited (torch.func stripped the wrapper) does if floating.
+    As its wrapper at the own level (or a dead one) does, or the tensor
+    below every level does (NOTE [Autograd at the base]: a module's
+    parameter); a plain tensor whose level exited (torch.func stripped the
+    wrapper) does if floating.
     """
+    at_own = False
     while isinstance(t, _Tensor) and _functorch.is_functorch_wrapped_tensor(t):
         if not _functorch.is_batchedtensor(t) and (_is_dead(t) or _functorch.maybe_get_level(t) == own):
-            return bool(t.requires_grad) and (t.is_floating_point() or t.is_complex())
+            at_own = True
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                return True
         t = _functorch.get_unwrapped(t)
-    return isinstance(t, _Tensor) and bool(own) and not own_live and (t.is_floating_point() or t.is_complex())
+    if not isinstance(t, _Tensor):
+        return False
+    if t.requires_grad or at_own:  # (a wrapper at its own level that does not: the base's answer)
+        return bool(t.requires_grad)
+    return bool(own) and not own_live and (t.is_floating_point() or t.is_complex())
 
 
 def differentiated_elsewhere(leaves: list[Any]) -> bool:
     """Is a tensor among ``leaves`` tracked by a live torch.func level (or autograd, or a dual tangent)?"""
     stack = _functorch.get_interpreter_stack() or ()
-    return _how(leaves, None, False, {i.level() for i in stack}, False) == _AGAIN
+    return _how(leaves, None, False, {i.level() for i in stack}, False, base_is_again=True) == _AGAIN
 
 
 def not_differentiable(what: str, error: BaseException) -> RuntimeError:
@@ -167,7 +189,7 @@ def run_as_eager(
     stack = _functorch.get_interpreter_stack() or ()
     own_live = any(i.level() == own and i.key() in _AD for i in stack)
     how = _how(leaves, own, own_live, {i.level() for i in stack}, own_may_differentiate)
-    if how != _ONCE:
+    if how not in (_ONCE, _GUARDED):
         if error is None:
             return NOT_RUN
         if how == _EAGER:
@@ -187,9 +209,10 @@ def run_as_eager(
                 replay.saved_for_forward = saved  # type: ignore[attr-defined]
             with torch.no_grad():
                 out = fn(replay, *args)
+            out = pytree.tree_map_only(_Tensor, lambda t: t.detach() if t.requires_grad else t, out)
+            return _refusing_differentiation(out, what) if how == _GUARDED else out
         finally:
             restore(popped.back)
-        return pytree.tree_map_only(_Tensor, lambda t: t.detach() if t.requires_grad else t, out)
 
     if error is None:
         return per_example(run, tree, what)
@@ -199,6 +222,34 @@ def run_as_eager(
         raise  # (the loop's own refusal, not the function's failure)
     except Exception:
         raise error from None
+
+
+# NOTE [Autograd at the base]
+# A module's parameters require grad (every module's default), so a backward
+# that reads them (an adjoint method, a reversible layer) gets tensors autograd
+# tracks at the base even under a first-order ``grad(f)(y)``. Eager mode runs
+# such a backward and returns a result with no derivative (it used autograd on
+# detached copies): differentiating it again is silently wrong there. Ours runs
+# it as eager mode does, its saved tensors requiring grad as they did, and gives
+# each floating result torch's ``DelayedError`` node (what ``once_differentiable``
+# does): a result differentiated again at the base raises, naming the class.
+def _refusing_differentiation(out: Any, what: str) -> Any:
+    """``out``'s floating tensors, each behind a node that raises if autograd differentiates it."""
+    leaves, spec = pytree.tree_flatten(out)
+    where = [i for i, t in enumerate(leaves) if isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex())]
+    if not where:
+        return out
+    message = (
+        f"torch_autobatch: {what} ran as eager .backward() runs it, so its result has no derivative "
+        f"(NOTE [Autograd at the base]), and autograd is differentiating it again (a tensor it got "
+        f"requires grad). Take first derivatives only through it."
+    )
+    with torch.enable_grad():
+        err = torch._C._functions.DelayedError(message, len(where))
+        guarded = err(*(leaves[i].detach().requires_grad_() for i in where))
+    for i, t in zip(where, guarded if isinstance(guarded, tuple) else (guarded,)):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _fresh(t: Any, requires_grad: bool) -> Any:

@@ -54,7 +54,7 @@ import torch
 from torch._library.utils import RegistrationHandle
 
 from ..vmap import _presets as _vmap_presets
-from . import _dynamo
+from . import _dynamo, _outputs
 from ._ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
 from ._kinds import (
     _OBJECT,
@@ -244,6 +244,7 @@ class LiftedFunction:
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
         overload, returns_1_tuple, objects = entry
+        _outputs.pending.spec = None  # NOTE [Attributes a forward sets on its outputs]
         if objects:  # NOTE [Python objects as arguments of a lifted Function] (lift/_objects.py)
             if not torch._C._are_functorch_transforms_active():
                 return _torch_apply(self._cls, *args)
@@ -251,6 +252,8 @@ class LiftedFunction:
             out, _constants = call_with_objects(overload, args, objects, names, f"{self._cls.__qualname__}.apply")
         else:
             out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
+        if _outputs.pending.spec is not None:
+            _outputs.apply_attributes(_outputs.pending.spec, out, args, f"{self._cls.__qualname__}.apply")
         return (out,) if returns_1_tuple else out
 
     def _define(self, kinds: tuple[Any, ...], args: tuple[Any, ...]) -> _Entry:
@@ -345,6 +348,8 @@ class _Kernel:
         ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
         returned = out if isinstance(out, tuple) else (out,)
+        if any(o.__dict__ for o in returned if isinstance(o, _Tensor)):
+            _outputs.note_attributes(returned, real)
         # NOTE [A lifted op's outputs alias nothing] (lift/_outputs.py)
         outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
         if ctx.dirty_tensors:
@@ -366,7 +371,10 @@ class _Kernel:
             return self.fwd(*args)[0]  # nothing differentiated: the residuals are dropped
         real = _restore(self.kinds, args, self.__qualname__) if self.restore else args
         out = self.forward(*real)
-        outs = fresh_outputs(out if isinstance(out, tuple) else (out,), args, self.tensor_positions, self.tensor_lists)
+        returned = out if isinstance(out, tuple) else (out,)
+        if any(o.__dict__ for o in returned if isinstance(o, _Tensor)):
+            _outputs.note_attributes(returned, real)
+        outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
         return outs[0] if self.single else outs
 
 

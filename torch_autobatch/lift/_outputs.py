@@ -29,6 +29,7 @@ the tensors they hold).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -107,3 +108,49 @@ def fresh_vmap_rule(
 
     fresh_rule.__qualname__ = getattr(rule, "__qualname__", "vmap")
     return fresh_rule
+
+
+# NOTE [Attributes a forward sets on its outputs]
+# A forward may hang Python attributes on what it returns (pyro's straight-
+# through distributions: ``hard._unquantize = soft``, read back by
+# ``log_prob``). Under a transform the op's output the user gets is another
+# tensor object (a functorch wrapper, or a copy), which would lack them, and
+# the library would silently take its fallback. The kernel notes them
+# (:func:`note_attributes`, in a thread-local slot the call empties first) and
+# the call sets them on the outputs it returns (:func:`apply_attributes`): an
+# input of the forward as the call's own argument (the user's tensor, at the
+# user's levels), any other value unchanged. A tensor that is neither cannot be
+# handed across the transform's levels: an error naming the class there.
+pending = threading.local()
+
+
+def note_attributes(returned: tuple[Any, ...], args: tuple[Any, ...]) -> None:
+    """Notes the Python attributes ``forward`` set on its outputs (``args``: the forward's own arguments)."""
+    spec = []
+    for k, out in enumerate(returned):
+        for name, value in out.__dict__.items():
+            where = next((j for j, a in enumerate(args) if a is value), None) if isinstance(value, _Tensor) else None
+            if where is not None:
+                spec.append((k, name, "argument", where))
+            else:
+                spec.append((k, name, "tensor" if isinstance(value, _Tensor) else "value", value))
+    pending.spec = (returned, spec)
+
+
+def apply_attributes(noted: Any, out: Any, args: tuple[Any, ...], who: str) -> None:
+    """Sets the attributes :func:`note_attributes` noted on the outputs the call returns."""
+    returned, spec = noted
+    outs = out if isinstance(out, tuple) else (out,)
+    for k, name, kind, value in spec:
+        if outs[k] is returned[k]:
+            continue  # the forward's own tensor: it has them
+        if kind == "argument":
+            value = args[value]
+        elif kind == "tensor" and torch._C._are_functorch_transforms_active():
+            raise RuntimeError(
+                f"torch_autobatch: {who}'s forward sets the attribute {name!r} on its output {k} to a tensor "
+                f"that is not one of its inputs; under a torch.func transform the output is another tensor "
+                f"object, and that tensor cannot be handed across the transform's levels "
+                f"(NOTE [Attributes a forward sets on its outputs]). Return the tensor as an output instead."
+            )
+        setattr(outs[k], name, value)

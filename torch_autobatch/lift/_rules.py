@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -100,14 +101,36 @@ def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., 
 # tensors forward ran on, which never require grad, so a None may be a
 # skipped gradient, and is an error naming the class.
 def _object_holding_tensors(ctx: Any) -> Any:
-    """The name of a ctx attribute that is an object (not a tensor or container) holding a tensor, or None."""
+    """The name of a ctx attribute that is an object (not a tensor or container) holding a tensor, or None.
+
+    Through stored data (instance dicts, and tuples, lists and dicts in them), a few levels deep: an
+    operator of operators (linear_operator's sums and products).
+    """
     for name, value in getattr(ctx, "__dict__", {}).items():
         if isinstance(value, (_Tensor, tuple, list, dict)) or name.startswith("_torch_autobatch"):
             continue
-        stored = getattr(value, "__dict__", None)
-        if isinstance(stored, dict) and any(isinstance(v, _Tensor) for v in stored.values()):
+        if _holds_tensor(value, 4, set()):
             return f"ctx.{name} ({type(value).__name__})"
     return None
+
+
+_NOT_HOLDERS = (str, bytes, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
+
+
+def _holds_tensor(value: Any, depth: int, seen: set[int]) -> bool:
+    if isinstance(value, _Tensor):
+        return True
+    if depth == 0 or id(value) in seen or isinstance(value, _NOT_HOLDERS):
+        return False
+    seen.add(id(value))
+    if isinstance(value, (tuple, list)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        stored = getattr(value, "__dict__", None)
+        items = stored.values() if isinstance(stored, dict) else ()
+    return any(_holds_tensor(v, depth - 1, seen) for v in list(items)[:64])
 
 
 def _missing(out: Any, ctx: Any) -> bool:

@@ -76,6 +76,15 @@ def transpose_backward(
         grads = pullback(*full)
         grads = grads if isinstance(grads, tuple) else (grads,)
         for i, (g, t) in enumerate(zip(grads, tangents)):
+            if isinstance(g, _Tensor) and isinstance(t, _Tensor) and not g.requires_grad:
+                raise _SkippedGradient(
+                    f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
+                    f"staticmethod, so its forward mode is the transpose of its backward, and the backward's "
+                    f"gradient for input {i} does not depend on its cotangent as torch sees it (it ran under "
+                    f"no_grad, or on detached tensors): the transpose would be a silent zero. Give "
+                    f"{cls.__qualname__} a jvp staticmethod (jvp(ctx, *input_tangents)), or compute the backward "
+                    f"with grad mode on."
+                )
             if g is None and isinstance(t, _Tensor):  # NOTE [A backward that asks requires_grad] (lift/_rules.py)
                 raise _SkippedGradient(
                     f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
