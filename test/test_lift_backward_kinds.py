@@ -383,13 +383,35 @@ class TestBackwardsThatAskRequiresGrad(TestCase):
             with self.assertRaisesRegex(RuntimeError, r"GatedScale: .* returned None for input 1, which has a tangent"):
                 jacfwd(lambda w: GatedScale.apply(x, w))(w)
 
-    def test_a_skipped_gradient_of_a_tensor_inside_a_ctx_object_is_an_error_naming_it(self):
+    @parametrize("transform", ["grad", "vjp", "jacrev"])
+    def test_an_input_inside_a_ctx_object_requires_grad_as_in_eager_mode(self, transform):
+        # NOTE [Inputs inside ctx objects] (lift/_eager.py)
         rhs, d = _r(3), _r(3).abs() + 0.5
+        want = eager_jacobians(GatedSolve, (rhs, d))[1]  # the unlifted class's own (2x) backward
         with lifted_in_place(GatedSolve):
-            with self.assertRaisesRegex(RuntimeError, r"GatedSolve.backward returned None .* keeps ctx.op \(_Diag\)"):
-                grad(lambda d: GatedSolve.apply(rhs, d).sum())(d)
+            if transform == "grad":
+                self.assertEqual(grad(lambda d: GatedSolve.apply(rhs, d).sum())(d), want.sum(0))
+            elif transform == "vjp":
+                _, pullback = vjp(lambda d: GatedSolve.apply(rhs, d), d)
+                self.assertEqual(pullback(torch.ones(3, dtype=DT))[0], want.sum(0))
+            else:
+                self.assertEqual(jacrev(lambda d: GatedSolve.apply(rhs, d))(d), want)
 
-    def test_a_skipped_gradient_of_a_tensor_in_a_nested_ctx_object_is_an_error_naming_it(self):
+    def test_a_skipped_gradient_of_a_tensor_made_in_forward_inside_a_ctx_object_is_an_error_naming_it(self):
+        class MadeSolve(GatedSolve):
+            @staticmethod
+            def forward(ctx, rhs, d):
+                ctx.op = _Diag(d * 1)  # not an input: nothing says which input it stands for
+                out = rhs / d
+                ctx.save_for_backward(out)
+                return out
+
+        rhs, d = _r(3), _r(3).abs() + 0.5
+        with lifted_in_place(MadeSolve):
+            with self.assertRaisesRegex(RuntimeError, r"MadeSolve.backward returned None .* keeps ctx.op \(_Diag\)"):
+                grad(lambda d: MadeSolve.apply(rhs, d).sum())(d)
+
+    def test_an_input_inside_a_nested_ctx_object_requires_grad_as_in_eager_mode(self):
         class _Sum:  # an operator of operators
             def __init__(self, *parts: Any) -> None:
                 self.parts = parts
@@ -409,9 +431,9 @@ class TestBackwardsThatAskRequiresGrad(TestCase):
                 return 2 * g / d, (-2 * g * out / d if d.requires_grad else None)
 
         rhs, d = _r(3), _r(3).abs() + 0.5
+        want = eager_jacobians(NestedSolve, (rhs, d))[1].sum(0)
         with lifted_in_place(NestedSolve):
-            with self.assertRaisesRegex(RuntimeError, r"NestedSolve.backward returned None .* keeps ctx.op \(_Sum\)"):
-                grad(lambda d: NestedSolve.apply(rhs, d).sum())(d)
+            self.assertEqual(grad(lambda d: NestedSolve.apply(rhs, d).sum())(d), want)
 
 
 class NoGradDouble(Function):

@@ -54,6 +54,7 @@ its own error stands.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -65,7 +66,15 @@ from ..core._levels import Popped, restore
 from ..core._per_example import DrewUnderError, per_example
 from ._ctx import _CTX_INTERNALS, _ReplayCtx
 
-__all__ = ["NOT_RUN", "ctx_parts", "differentiated_elsewhere", "level_exited", "not_differentiable", "run_as_eager"]
+__all__ = [
+    "NOT_RUN",
+    "ctx_parts",
+    "differentiated_elsewhere",
+    "level_exited",
+    "not_differentiable",
+    "note_inputs_in_objects",
+    "run_as_eager",
+]
 
 _Tensor = torch.Tensor
 _forward_ad = torch.autograd.forward_ad
@@ -74,6 +83,8 @@ _is_dead: Callable[[_Tensor], bool] = getattr(_functorch, "is_dead_tensor_wrappe
 
 _EAGER, _ONCE, _AGAIN, _GUARDED = range(4)
 _REPLAY_OWN = frozenset({*_CTX_INTERNALS, "saved_tensors", "saved_variables", "transposed", "transposed_outputs"})
+_INPUTS_IN = "_torch_autobatch_inputs_in_objects"  # NOTE [Inputs inside ctx objects]
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
 _AD = (TransformType.Grad, TransformType.Jvp)
 #: :func:`run_as_eager`'s answer where the function must run as it is (it is differentiated again).
 NOT_RUN: Any = object()
@@ -205,10 +216,15 @@ def run_as_eager(
             flat, spec = pytree.tree_flatten(tree)
             saved, attributes, args = pytree.tree_unflatten([_fresh(t, m) for t, m in zip(flat, mask)], spec)
             replay = _ReplayCtx(saved, attributes, needs)
+            undo = _inputs_requiring_grad(attributes, needs)
             if for_forward:  # NOTE [A jvp reads ctx.saved_for_forward] (op/_forward_mode.py)
                 replay.saved_for_forward = saved  # type: ignore[attr-defined]
-            with torch.no_grad():
-                out = fn(replay, *args)
+            try:
+                with torch.no_grad():
+                    out = fn(replay, *args)
+            finally:
+                for store, key, old in reversed(undo):
+                    store[key] = old
             out = pytree.tree_map_only(_Tensor, lambda t: t.detach() if t.requires_grad else t, out)
             return _refusing_differentiation(out, what) if how == _GUARDED else out
         finally:
@@ -250,6 +266,77 @@ def _refusing_differentiation(out: Any, what: str) -> Any:
     for i, t in zip(where, guarded if isinstance(guarded, tuple) else (guarded,)):
         leaves[i] = t
     return pytree.tree_unflatten(leaves, spec)
+
+
+# NOTE [Inputs inside ctx objects]
+# A legacy forward may keep on ctx an object built from its inputs
+# (linear_operator's operator, ``ctx._linear_op = representation_tree(*args)``)
+# and its backward ask that object's tensors ``requires_grad``, or
+# differentiate through them. Under torch.func the object holds the tensors
+# our kernel ran forward on, which do not require grad. The kernel notes which
+# of them are which inputs (:func:`note_inputs_in_objects`); the eager rerun
+# swaps each one whose input needs a gradient for a fresh leaf that requires
+# grad, in the objects ctx keeps, for the backward's call, and swaps them back.
+def note_inputs_in_objects(ctx_dict: dict[str, Any], args: tuple[Any, ...]) -> None:
+    """Notes on a recording ctx which of its objects' tensors are which of forward's tensor arguments."""
+    ids = {id(a): j for j, a in enumerate(args) if isinstance(a, _Tensor)}
+    found: set[tuple[int, int]] = set()
+    for value in list(ctx_dict.values()):
+        if not _is_object(value):
+            continue
+        _walk(value, 4, set(), lambda store, key, t: found.add((ids[id(t)], id(t))) if id(t) in ids else None)
+    if found:
+        ctx_dict[_INPUTS_IN] = tuple(sorted(found))
+
+
+def _is_object(value: Any) -> bool:
+    """An instance holding stored data (an operator), not a tensor, class, function or module."""
+    return hasattr(value, "__dict__") and not isinstance(value, (_Tensor, type, *_FUNCTIONS))
+
+
+def _walk(value: Any, depth: int, seen: set[int], visit: Callable[[Any, Any, _Tensor], None]) -> None:
+    """Calls ``visit(store, key, tensor)`` for each tensor held in ``value``'s stored data (a few levels deep)."""
+    if depth == 0 or id(value) in seen:
+        return
+    seen.add(id(value))
+    store = value if isinstance(value, (list, dict)) else getattr(value, "__dict__", None)
+    if not isinstance(store, (list, dict)):
+        return
+    for key, item in list(store.items() if isinstance(store, dict) else enumerate(store)):
+        if isinstance(item, _Tensor):
+            visit(store, key, item)
+        elif isinstance(item, tuple):
+            for t in item:
+                if isinstance(t, _Tensor):
+                    visit(store, key, t)
+                elif _is_object(t):
+                    _walk(t, depth - 1, seen, visit)
+        elif isinstance(item, (list, dict)) or _is_object(item):
+            _walk(item, depth - 1, seen, visit)
+
+
+def _inputs_requiring_grad(attributes: dict[str, Any], needs: tuple[bool, ...]) -> list[tuple[Any, Any, Any]]:
+    """Swaps the noted inputs inside ctx's objects for fresh leaves that require grad; the undo log."""
+    noted = attributes.get(_INPUTS_IN)
+    if not noted:
+        return []
+    fresh: dict[int, _Tensor] = {}
+    wanted = {tid for j, tid in noted if j < len(needs) and needs[j]}
+    undo: list[tuple[Any, Any, Any]] = []
+
+    def swap(store: Any, key: Any, t: _Tensor) -> None:
+        if id(t) not in wanted or _functorch.is_functorch_wrapped_tensor(t):
+            return
+        new = fresh.setdefault(id(t), t.detach().requires_grad_())
+        old = store[key]
+        undo.append((store, key, old))
+        store[key] = new if isinstance(old, _Tensor) else tuple(new if x is t else x for x in old)
+
+    seen: set[int] = set()
+    for value in attributes.values():
+        if _is_object(value):
+            _walk(value, 4, seen, swap)
+    return undo
 
 
 def _fresh(t: Any, requires_grad: bool) -> Any:

@@ -56,6 +56,7 @@ from torch._library.utils import RegistrationHandle
 from ..vmap import _presets as _vmap_presets
 from . import _dynamo, _outputs
 from ._ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
+from ._eager import note_inputs_in_objects
 from ._kinds import (
     _OBJECT,
     _kind,
@@ -348,7 +349,7 @@ class _Kernel:
         ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
         returned = out if isinstance(out, tuple) else (out,)
-        if any(o.__dict__ for o in returned if isinstance(o, _Tensor)):
+        if any(o.__dict__ for o in returned if type(o) is _Tensor):  # (a subclass keeps its own state there)
             _outputs.note_attributes(returned, real)
         # NOTE [A lifted op's outputs alias nothing] (lift/_outputs.py)
         outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
@@ -357,6 +358,8 @@ class _Kernel:
         if ctx.non_differentiable or not ctx.materialize_grads:
             # ctx's marks, applied by a hook in setup_context from the first call that makes any
             self.extras.vjp_setup_hook = _apply_marks
+        if len(ctx.__dict__) > 2:  # NOTE [Inputs inside ctx objects] (lift/_eager.py)
+            note_inputs_in_objects(ctx.__dict__, real)
         if self.objects:  # the residuals keep the call's objects while fwd may run again
             constants = constants_of(args, self.objects)
             if constants is not None and constants.tracked:
@@ -372,7 +375,7 @@ class _Kernel:
         real = _restore(self.kinds, args, self.__qualname__) if self.restore else args
         out = self.forward(*real)
         returned = out if isinstance(out, tuple) else (out,)
-        if any(o.__dict__ for o in returned if isinstance(o, _Tensor)):
+        if any(o.__dict__ for o in returned if type(o) is _Tensor):  # (a subclass keeps its own state there)
             _outputs.note_attributes(returned, real)
         outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
         return outs[0] if self.single else outs

@@ -59,6 +59,7 @@ def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., 
         if not _is_compiling() and level_exited(own := _C._backward_level()):
             out = run_as_eager(backward, ctx, grads, own, what)
             if out is not NOT_RUN:
+                _refuse_skipped(out, ctx, what)
                 return out
         try:
             out = backward(ctx, *grads)
@@ -67,23 +68,30 @@ def backward_as_eager(backward: Callable[..., Any], what: str) -> Callable[..., 
                 raise
             # the node's own level may differentiate the result again where it keeps its graph
             keeps = torch.is_grad_enabled() and _C._graph_task_keeps_graph()
-            return run_as_eager(backward, ctx, grads, _C._backward_level(), what, e, keeps)
+            out = run_as_eager(backward, ctx, grads, _C._backward_level(), what, e, keeps)
+            _refuse_skipped(out, ctx, what)
+            return out
         if _missing(out, ctx) and not _is_compiling():  # NOTE [A backward that asks requires_grad]
             again = run_as_eager(backward, ctx, grads, _C._backward_level(), what)
             if again is not NOT_RUN:
                 out = again
-            if _missing(out, ctx) and (holder := _object_holding_tensors(ctx)) is not None:
-                raise RuntimeError(
-                    f"torch_autobatch: {what} returned None for an input that needs a gradient, and its ctx "
-                    f"keeps {holder}, an object holding tensors. Under torch.func those are the tensors our "
-                    f"kernels ran forward on, which do not require grad: a backward that asks them "
-                    f"requires_grad would silently give zeros (NOTE [A backward that asks requires_grad]). "
-                    f"Ask ctx.needs_input_grad instead, or save the tensors with ctx.save_for_backward."
-                )
+            _refuse_skipped(out, ctx, what)
         return out
 
     call.__qualname__ = getattr(backward, "__qualname__", what)
     return call
+
+
+def _refuse_skipped(out: Any, ctx: Any, what: str) -> None:
+    """Raises where the backward returned None for a needed gradient with a ctx object holding tensors."""
+    if _missing(out, ctx) and (holder := _object_holding_tensors(ctx)) is not None:
+        raise RuntimeError(
+            f"torch_autobatch: {what} returned None for an input that needs a gradient, and its ctx "
+            f"keeps {holder}, an object holding tensors. Under torch.func those are the tensors our "
+            f"kernels ran forward on, which do not require grad: a backward that asks them "
+            f"requires_grad would silently give zeros (NOTE [A backward that asks requires_grad]). "
+            f"Ask ctx.needs_input_grad instead, or save the tensors with ctx.save_for_backward."
+        )
 
 
 # NOTE [A backward that asks requires_grad]
