@@ -199,7 +199,18 @@ def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
     leaves = pytree.tree_leaves(inputs)
     before = RandomState(leaves)
     with torch.enable_grad():
-        _, residuals = run_fwd(op, positional, kwargs, check=False)  # checked when it first ran
+        try:
+            _, residuals = run_fwd(op, positional, kwargs, check=False)  # checked when it first ran
+        except (RuntimeError, NotImplementedError) as e:
+            # NOTE [A forward vmap cannot batch runs per example]: fwd fails on batched tensors as the
+            # function did; once per example, its residuals keep their history at the base
+            if (
+                not op._ab.loop_on_failure
+                or type(e) not in (RuntimeError, NotImplementedError)
+                or "randomness" in str(e)
+            ):
+                raise
+            residuals = _residuals_per_example(op, positional, kwargs)
     if before.changed(leaves):
         # NOTE [Second derivatives through residuals]: the rerun is fwd's forward again; one that
         # drew random numbers differentiates other draws than the forward's (a silent wrong value)
