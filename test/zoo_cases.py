@@ -64,10 +64,15 @@ PASS, CLEAR, UNCLEAR, WRONG, NA, NOREF = "PASS", "CLEAR", "UNCLEAR", "WRONG", "N
 
 @dataclass(frozen=True)
 class Expected:
-    """A cell judged impossible: the error it must raise (``regex``, searched in ``Type: message``) and why."""
+    """A cell judged impossible: the error it must raise (``regex``, searched in ``Type: message``) and why.
+
+    ``open``: not impossible, only not done yet: the package gives this clear error today, and the table
+    counts it apart (the test pins it, so a change to it shows).
+    """
 
     regex: str
     reason: str
+    open: bool = False
 
 
 @dataclass(frozen=True)
@@ -681,6 +686,16 @@ case(
     setup=_odeint_dopri5,
     sample=lambda: (_r(3),),
     library_na={"vmap": _SOLUTION_BUFFER, "vmap_grad": _SOLUTION_BUFFER},
+    expected=dict.fromkeys(
+        ("hessian", "jvp", "jacfwd"),
+        Expected(
+            r"_StitchGradient: the class has no jvp staticmethod, .* returned None for input 1, which has a tangent",
+            "`_StitchGradient`'s backward returns None on purpose for the time it stitches to another input; "
+            "forward mode from the transposed backward cannot tell that zero from a skipped gradient (NOTE [A "
+            "backward that asks requires_grad]); evaluating the backward on a basis would",
+            open=True,
+        ),
+    ),
     rtol=1e-6,
     atol=1e-8,
 )
@@ -710,7 +725,19 @@ case(
     call='odeint_event(func, y0, t0, event_fn=event_fn, method="rk4")',
     setup=_odeint_event,
     sample=lambda: (_r(3).abs() + 1.5,),
-    expected=_forward_mode_and_hessian("ImplicitFnGradientRerouting", _AUTOGRAD),
+    expected={
+        **dict.fromkeys(
+            ("grad", "vjp", "jacrev", "hessian", "jvp", "jacfwd", "compile_grad"),
+            Expected(
+                r"ImplicitFnGradientRerouting.apply was called under a torch.func transform with a Python object "
+                r"argument, event_fn .* initial_signs",
+                "the `event_fn` torchdiffeq passes to `apply` closes over `initial_signs`, a `sign()` of `y0`, which "
+                "the transform tracks: its derivative is zero, but nothing tells a tracked tensor inside an object "
+                "from one whose derivative would be lost, so it is refused (NOTE [Python objects as arguments of a "
+                "lifted Function])",
+            ),
+        ),
+    },
     library_na={"vmap": _DATA_DEPENDENT, "vmap_grad": _DATA_DEPENDENT},
     rtol=1e-6,
     atol=1e-8,
@@ -736,7 +763,7 @@ def _flash(cosine: bool) -> Callable[[], Callable[..., torch.Tensor]]:
 _NO_GRAD_BACKWARD = dict.fromkeys(
     ("hessian", "jvp", "jacfwd"),
     Expected(
-        r"FlashAttentionFunction.backward",
+        r"FlashAttentionFunction(\.backward|: the class has no jvp staticmethod)",
         "the class's backward runs under `@torch.no_grad()` and accumulates in place: forward mode (its transpose)"
         " and second derivatives need to differentiate it",
     ),
@@ -913,6 +940,26 @@ def _linop(method: str) -> Callable[[], Callable[..., torch.Tensor]]:
     return setup
 
 
+def _linop_open(cls: str) -> dict[str, Expected]:
+    forward_mode = Expected(
+        rf"{cls}: the class has no jvp staticmethod, .* returned None for input|{cls}.backward is not differentiable"
+        rf"|{cls}.backward returned None for an input that needs a gradient",
+        "the backward returns a gradient only for the operator's tensors that report requires_grad; forward mode "
+        "(its transpose) and second derivatives run it on tensors that do not (NOTE [A backward that asks "
+        "requires_grad]); evaluating the backward on a basis would give forward mode",
+        open=True,
+    )
+    out = dict.fromkeys(("hessian", "jvp", "jacfwd"), forward_mode)
+    if cls != "Matmul":
+        out["vmap_grad"] = Expected(
+            r"returned a Python value \(AddedDiagLinearOperator\) that differs between the examples of a vmap",
+            "the forward keeps on ctx an operator built from the batched inputs, which cannot be one value for "
+            "every example; the backward's residuals would have to be kept per example",
+            open=True,
+        )
+    return out
+
+
 def _psd_sample() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.rand(4, dtype=DT) + 0.5, _r(4, 3), _r(4, 2))
 
@@ -935,5 +982,5 @@ for _cls, _method, _call in (
         argnums=(0, 1, 2),
         rtol=1e-6,
         atol=1e-8,
-        expected=_forward_mode_and_hessian(_cls, _AUTOGRAD) if _cls == "PivotedCholesky" else {},
+        expected=_forward_mode_and_hessian(_cls, _AUTOGRAD) if _cls == "PivotedCholesky" else _linop_open(_cls),
     )

@@ -27,6 +27,8 @@ fi
 "$venv/bin/pip" install -q "torch==$version"
 # real libraries the tests lift (test/test_lift.py), without their dependencies: pip never swaps torch
 "$venv/bin/pip" install -q --no-deps entmax pytorch-wavelets PyWavelets
+# the zoo (test/test_zoo.py, docs/zoo.md): real libraries' Functions lifted whole, also without dependencies
+"$venv/bin/pip" install -q --no-deps pytorch-revgrad==0.2.0 sparsemax==0.1.9 geomloss==0.3.1 pyro-ppl==1.9.2 pyro-api==0.1.2 opt_einsum==3.4.0 tqdm==4.70.1 torchdiffeq==0.2.5 memory-efficient-attention-pytorch==0.1.6 einops==0.8.2 snntorch==1.0.0 linear-operator==0.6.1 scipy==1.17.1
 # ONNX export and onnxruntime (test/test_onnx.py), also without dependencies: pip never swaps torch
 "$venv/bin/pip" install -q --no-deps onnx onnxscript onnx-ir onnxruntime ml_dtypes protobuf flatbuffers
 "$venv/bin/python" -c "import torch; print('== running torch', torch.__version__)"

@@ -204,11 +204,8 @@ def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
         except (RuntimeError, NotImplementedError) as e:
             # NOTE [A forward vmap cannot batch runs per example]: fwd fails on batched tensors as the
             # function did; once per example, its residuals keep their history at the base
-            if (
-                not op._ab.loop_on_failure
-                or type(e) not in (RuntimeError, NotImplementedError)
-                or "randomness" in str(e)
-            ):
+            loops = op._ab.loop_on_failure or op._ab.vmap_loop  # NOTE [fwd per example under vmap="loop"]
+            if not loops or type(e) not in (RuntimeError, NotImplementedError) or "randomness" in str(e):
                 raise
             residuals = _residuals_per_example(op, positional, kwargs)
     if before.changed(leaves):
