@@ -399,6 +399,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
         with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
             ((ddp(x[half]) - y[half]) ** 2).mean().backward()
         torch.save({k: p.grad for k, p in model.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (a loaded machine aborted one)
     finally:
         dist.destroy_process_group()
 

@@ -346,15 +346,20 @@ class _Diag:
         self.d = d
 
 
+def _solve_keeping(ctx: Any, rhs: torch.Tensor, d: torch.Tensor, op: Any) -> torch.Tensor:
+    """rhs / d, keeping ``op`` on ctx (an operator built in forward) and saving the output."""
+    ctx.op = op
+    out = rhs / d
+    ctx.save_for_backward(out)
+    return out
+
+
 class GatedSolve(Function):
     """rhs / d; keeps an operator object built in forward on ctx, and asks its tensor requires_grad."""
 
     @staticmethod
     def forward(ctx, rhs, d):
-        ctx.op = _Diag(d)
-        out = rhs / d
-        ctx.save_for_backward(out)
-        return out
+        return _solve_keeping(ctx, rhs, d, _Diag(d))
 
     @staticmethod
     def backward(ctx, g):
@@ -401,10 +406,7 @@ class TestBackwardsThatAskRequiresGrad(TestCase):
         class MadeSolve(GatedSolve):
             @staticmethod
             def forward(ctx, rhs, d):
-                ctx.op = _Diag(d * 1)  # not an input: nothing says which input it stands for
-                out = rhs / d
-                ctx.save_for_backward(out)
-                return out
+                return _solve_keeping(ctx, rhs, d, _Diag(d * 1))  # not an input: nothing says which it stands for
 
         rhs, d = _r(3), _r(3).abs() + 0.5
         with lifted_in_place(MadeSolve):
@@ -419,10 +421,7 @@ class TestBackwardsThatAskRequiresGrad(TestCase):
         class NestedSolve(GatedSolve):
             @staticmethod
             def forward(ctx, rhs, d):
-                ctx.op = _Sum(_Diag(d), _Diag(d))
-                out = rhs / d
-                ctx.save_for_backward(out)
-                return out
+                return _solve_keeping(ctx, rhs, d, _Sum(_Diag(d), _Diag(d)))
 
             @staticmethod
             def backward(ctx, g):

@@ -1,15 +1,16 @@
-"""What lower layers may know of an op: its per-op state, and ``Protocol``s of the op layer's classes.
+"""What lower layers may know of an op: its per-op state, and the attributes they read (:class:`OpBase`).
 
 NOTE [Layers of the package] (docs/design.md): ``core/``, ``vmap/`` and
 ``graphs/`` are imported by ``op/`` and must not import it back, even for
-type hints. They see an op through the protocols here; :class:`OpExtras`
-(what we keep per op) lives here so both sides can name it.
+type hints. They see an op as :class:`OpBase`, which ``op/``'s classes
+derive from; :class:`OpExtras` (what we keep per op) lives here so both
+sides can name it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch._ops
@@ -108,25 +109,31 @@ class OpExtras:
         self.guarded = eager is not None or self.gone is not None
 
 
-class KernelSide(Protocol):
-    """What an op's kernels' Python side (``op/_kernel_side.py``'s ``KernelSide``) offers to the layers below."""
+class OpBase:
+    """What an op (``torch_autobatch.CustomOpDef``) is to the layers below ``op/``: the attributes they read.
+
+    ``op/_kernel_side.py``'s ``KernelSide`` (a base of ``CustomOpDef``) derives from it, so the
+    declarations are made once; torch's ``CustomOpDef`` and ours set the attributes.
+    """
 
     _ab: OpExtras
     _qualname: str
     _name: str
+    _namespace: str
     _init_fn: Callable[..., Any]
     _opoverload: torch._ops.OpOverload
     _vmap_fn: Optional[Callable[..., Any]]
     _backward_fn: Optional[Callable[..., Any]]
     _setup_context_fn: Optional[Callable[..., Any]]
-
-    def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
-
-
-class CustomOpDef(KernelSide, Protocol):
-    """What an op (``torch_autobatch.CustomOpDef``) offers to the compilers, exporters and subclasses."""
-
-    _namespace: str
-    _schema: Any
     _abstract_fn: Optional[Callable[..., Any]]
+    _schema: Any  # (torch's CustomOpDef: a FunctionSchema)
     _backend_fns: dict[Any, Callable[..., Any]]
+
+    def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Schema-ordered arguments as (positional, keyword-only)."""
+        raise NotImplementedError  # KernelSide's
+
+
+# The names the lower layers annotate an op with.
+KernelSide = OpBase
+CustomOpDef = OpBase

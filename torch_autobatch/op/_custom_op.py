@@ -32,11 +32,12 @@ from .. import _C
 from ..core import _closure, _warn
 from ..core._op_identity import OpIdentity
 from ..core._schema import schema_of
+from ..core._types import OpExtras
 from ..core._warn import user_source as _user_source
 from ..graphs import _compile, _subclass
 from ..vmap import _presets as _vmap_presets
 from . import _vjp, _vjp_check
-from ._kernel_side import KernelSide, OpExtras, mark_gone, takes_keyword_only_inputs
+from ._kernel_side import KernelSide, mark_gone, takes_keyword_only_inputs
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeviceTypes = Optional[Union[str, Sequence[str]]]

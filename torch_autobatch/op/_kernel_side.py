@@ -22,7 +22,7 @@ from torch._library import utils as _library_utils
 
 from ..core import _closure
 from ..core._autograd import BackwardContext, num_passed, trailing_defaults
-from ..core._types import OpExtras
+from ..core._types import OpBase
 from ..graphs import _compile
 from ..vmap import _presets as _vmap_presets
 from ..vmap import _traced as _traced_vmap
@@ -108,21 +108,12 @@ def check_live(op: KernelSide) -> None:
         raise RuntimeError(op._ab.gone)
 
 
-class KernelSide:
+class KernelSide(OpBase):
     """The methods our C++ kernels call on an op (NOTE [The Python side of the kernels]).
 
     A mixin of :class:`torch_autobatch.CustomOpDef`, which provides the
-    attributes declared here (torch's ``CustomOpDef`` and ours).
+    attributes :class:`OpBase` declares (torch's ``CustomOpDef`` and ours).
     """
-
-    _ab: OpExtras
-    _qualname: str
-    _name: str
-    _init_fn: Callable[..., Any]
-    _opoverload: torch._ops.OpOverload
-    _vmap_fn: Optional[Callable[..., Any]]
-    _backward_fn: Optional[Callable[..., Any]]
-    _setup_context_fn: Optional[Callable[..., Any]]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the op (as torch's ``CustomOpDef``); under torch.compile between graphs where its rules read constants."""
