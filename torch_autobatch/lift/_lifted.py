@@ -170,6 +170,7 @@ class LiftedFunction:
         self._by_types: dict[tuple[type, ...], _Entry] = {}
         self._n = len(self._signature.parameters) if self._signature is not None else -1
         self._names = _positional_names(cls)  # (error messages)
+        self._sets_attributes = False  # some overload's forward hangs attributes on its outputs
         self._defs: dict[str, Any] = {}  # overload name -> CustomOpDef
         self._lock = threading.Lock()
         self.__name__ = cls.__name__
@@ -245,7 +246,8 @@ class LiftedFunction:
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
         overload, returns_1_tuple, objects = entry
-        _outputs.pending.spec = None  # NOTE [Attributes a forward sets on its outputs]
+        if self._sets_attributes:  # NOTE [Attributes a forward sets on its outputs]
+            _outputs.pending.spec = None
         if objects:  # NOTE [Python objects as arguments of a lifted Function] (lift/_objects.py)
             if not torch._C._are_functorch_transforms_active():
                 return _torch_apply(self._cls, *args)
@@ -253,7 +255,7 @@ class LiftedFunction:
             out, _constants = call_with_objects(overload, args, objects, names, f"{self._cls.__qualname__}.apply")
         else:
             out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
-        if _outputs.pending.spec is not None:
+        if self._sets_attributes and _outputs.pending.spec is not None:
             _outputs.apply_attributes(_outputs.pending.spec, out, args, f"{self._cls.__qualname__}.apply")
         return (out,) if returns_1_tuple else out
 
@@ -341,6 +343,7 @@ class _Kernel:
         self.__doc__ = self.cls.__doc__
         self.lifted_class = self.cls  # (error messages name the class)
         self.extras: Any = None  # the op's OpExtras, once it is defined
+        self.sets_attributes = False  # NOTE [Attributes a forward sets on its outputs] (lift/_outputs.py)
 
     def fwd(self, *args: Any) -> tuple[Any, Residuals]:
         """register_vjp's ``fwd``: forward on a recording ctx, which becomes the residuals."""
@@ -349,7 +352,7 @@ class _Kernel:
         ctx.needs_input_grad = self.tensor_args  # True for every tensor argument: _RecordingCtx.__init__ says why
         out = self.forward(ctx, *real)
         returned = out if isinstance(out, tuple) else (out,)
-        if any(o.__dict__ for o in returned if type(o) is _Tensor):  # (a subclass keeps its own state there)
+        if self.sets_attributes:
             _outputs.note_attributes(returned, real)
         # NOTE [A lifted op's outputs alias nothing] (lift/_outputs.py)
         outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
@@ -375,7 +378,7 @@ class _Kernel:
         real = _restore(self.kinds, args, self.__qualname__) if self.restore else args
         out = self.forward(*real)
         returned = out if isinstance(out, tuple) else (out,)
-        if any(o.__dict__ for o in returned if type(o) is _Tensor):  # (a subclass keeps its own state there)
+        if self.sets_attributes:
             _outputs.note_attributes(returned, real)
         outs = fresh_outputs(returned, args, self.tensor_positions, self.tensor_lists)
         return outs[0] if self.single else outs
@@ -399,6 +402,8 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
         vmap = "loop"
     n_in = len(kinds)
     kernel = _Kernel(lifted, kinds, probe.num_outputs, names)
+    kernel.sets_attributes = probe.sets_attributes
+    lifted._sets_attributes = lifted._sets_attributes or probe.sets_attributes
     fwd = kernel.fwd
     op = custom_op(
         f"{lifted._qualname}.{overload}", kernel, mutates_args=(), schema=schema, vmap=vmap, compile=lifted._compile

@@ -24,6 +24,9 @@ class _Probe(NamedTuple):
     num_outputs: int
     returns_tuple: bool
     torch_ops: bool  # forward ran on meta tensors
+    sets_attributes: (
+        bool  # forward hangs Python attributes on its outputs (NOTE [Attributes a forward sets on its outputs])
+    )
 
 
 def _one_example(t: torch.Tensor) -> torch.Tensor:
@@ -85,4 +88,5 @@ def _probe(lifted: LiftedFunction, kinds: tuple[Any, ...], args: tuple[Any, ...]
             f"a lifted autograd.Function must return a tensor or a tuple of tensors (an operator "
             f"returns tensors). Return the other values from a wrapper around apply."
         )
-    return _Probe(len(outs), isinstance(out, tuple), torch_ops)
+    sets_attributes = any(type(o) is _Tensor and o.__dict__ for o in outs)
+    return _Probe(len(outs), isinstance(out, tuple), torch_ops, sets_attributes)
