@@ -72,7 +72,7 @@ class Constants:
 
     def check_kept(self, ctx: Any, who: str) -> None:
         """Refuses a ctx that keeps an object holding tracked tensors (its backward would read them later)."""
-        kept = {id(v) for v in vars(ctx).values()}
+        kept = {id(v) for v in getattr(ctx, "__dict__", {}).values()}
         for i, path in self.tracked.items():
             if id(self.objects[i]) in kept:
                 obj = self.objects[i]
@@ -81,8 +81,9 @@ class Constants:
                     f"argument ({type(obj).__name__}) holding {path}, a tensor the transform tracks, and "
                     f"keeps that object on its ctx for backward. The transform's tensors inside it are swapped "
                     f"back (functional_call) or unwrapped by the time backward reads it, so the derivatives "
-                    f"through them would silently be lost ({_NOTE}). Differentiate these tensors with .backward(), or call apply with the "
-                    f"object holding plain tensors and differentiate the tensors passed as arguments."
+                    f"through them would silently be lost ({_NOTE}). Differentiate these tensors with "
+                    f".backward(), or call apply with the object holding plain tensors and differentiate the "
+                    f"tensors passed as arguments."
                 )
 
 
@@ -92,9 +93,10 @@ def resolve(handle: int, position: int, what: str) -> Any:
     if constants is None:
         raise RuntimeError(
             f"torch_autobatch: {what} is being run again with argument {position} given as the handle "
-            f"{handle} of a Python object of an earlier call, which is gone ({_NOTE}): a graph that recorded the op (make_fx) cannot replay a call "
-            f"whose arguments include Python objects. Trace the function that calls apply with "
-            f"torch.compile (which runs such a call eagerly), or pass tensors, numbers and lists of those only."
+            f"{handle} of a Python object of an earlier call, which is gone ({_NOTE}): a graph that "
+            f"recorded the op (make_fx) cannot replay a call whose arguments include Python objects. Trace "
+            f"the function that calls apply with torch.compile (which runs such a call eagerly), or pass "
+            f"tensors, numbers and lists of those only."
         )
     return constants.objects[position]
 
@@ -136,9 +138,9 @@ def _check_reachable(objects: dict[int, Any], args: tuple[Any, ...], names: list
                     f"torch_autobatch: {who} was called under a torch.func transform with a Python object "
                     f"argument, {name} ({type(obj).__name__}), that holds a tensor the transform tracks "
                     f"(differentiated or batched): {path}. The op's derivatives and batching see only "
-                    f"the tensors passed to apply, so this one's would silently be lost ({_NOTE}). Pass that tensor to apply as an "
-                    f"argument too (as the class's own autograd needs), or make it a constant of the "
-                    f"transformed function."
+                    f"the tensors passed to apply, so this one's would silently be lost ({_NOTE}). Pass "
+                    f"that tensor to apply as an argument too (as the class's own autograd needs), or make it "
+                    f"a constant of the transformed function."
                 )
     return tracked
 
