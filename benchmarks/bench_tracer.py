@@ -39,7 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_autobatch
 
 # The public name once torch_autobatch/__init__.py exports it.
-trace = getattr(torch_autobatch, "trace", None) or __import__("torch_autobatch.tracing._tracer", fromlist=["trace"]).trace
+trace = (
+    getattr(torch_autobatch, "trace", None) or __import__("torch_autobatch.tracing._tracer", fromlist=["trace"]).trace
+)
 
 TARGETS = {"small": 2.5, "large": 1.05}
 MODELS = {

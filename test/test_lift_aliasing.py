@@ -362,6 +362,7 @@ class TestAttributesOnOutputs(TestCase):
             else:
                 self.assertEqual(jacrev(_straight_through_loss)(x), eager.grad)
 
+
 instantiate_parametrized_tests(TestAttributesOnOutputs)
 
 if __name__ == "__main__":
