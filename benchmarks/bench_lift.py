@@ -19,6 +19,12 @@ Unbatched, ``f(x, w, eps)`` with ``x`` requiring grad (forward only), and forwar
 5. the original ``Function.apply``;  6. the lifted callable;  7. ``FunctionClass.apply`` of a
 class lifted in place (``torch_autobatch.autobatch``). Both check first for torch.compile
 (NOTE [Dynamo and a lifted Function]).
+
+A class whose backward torch.func cannot run (recompute-style: autograd on detached copies),
+per-example gradients over 64 examples of (16,) rows, where the lifted class falls back to one
+backward per example (NOTE [A backward torch.func cannot run runs as eager .backward() runs it]):
+
+8. the lifted class under ``vmap(grad)``;  9. the original class, one ``.backward()`` per example.
 """
 
 from __future__ import annotations
@@ -81,11 +87,32 @@ class RowNormInPlace(torch.autograd.Function):  # RowNorm again, lifted in place
 torch_autobatch.autobatch(RowNormInPlace)
 
 
-def loop_of_backward(X: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+class RecomputeRowNorm(torch.autograd.Function):
+    """RowNorm whose backward recomputes the forward and differentiates it (checkpoint-style)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return plain(x, w, eps)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(plain(x, w, ctx.eps), (x, w), g)
+        return dx, dw, None
+
+
+recompute_lifted = torch_autobatch.from_function(RecomputeRowNorm, name="bench_lift::recompute_rownorm")
+
+
+def loop_of_backward(X: torch.Tensor, w: torch.Tensor, cls: type = RowNorm) -> torch.Tensor:
     out = []
     for x in X:
         leaf = x.detach().requires_grad_()
-        RowNorm.apply(leaf, w, 1e-5).sum().backward()
+        cls.apply(leaf, w, 1e-5).sum().backward()
         out.append(leaf.grad)
     return torch.stack(out)
 
@@ -151,6 +178,20 @@ def main() -> None:
     for k, us in t.items():
         ref = t[k.replace("6. lifted", "5. Function.apply").replace("7. autobatch in place", "5. Function.apply")]
         print(f"  {k:<46} {us:10.1f}  ({us / ref:5.2f}x Function.apply)")
+
+    Xs, ws = torch.randn(64, 16), torch.randn(16)
+    g = vmap(grad(lambda x: recompute_lifted(x, ws, 1e-5).sum()))
+    torch.testing.assert_close(g(Xs), loop_of_backward(Xs, ws, RecomputeRowNorm))
+    fallback = {
+        "8. lifted, vmap(grad), backward per example": tbench.Timer("g(X)", globals={"g": g, "X": Xs}),
+        "9. original, loop of .backward()": tbench.Timer(
+            "loop(X, w, cls)", globals={"loop": loop_of_backward, "X": Xs, "w": ws, "cls": RecomputeRowNorm}
+        ),
+    }
+    t = measure(fallback, args.rounds, args.min_run_time)
+    print("\na backward torch.func cannot run (recompute-style), B=64, (16,) rows (µs)")
+    for k, us in t.items():
+        print(f"  {k:<46} {us:10.1f}  ({us / t['9. original, loop of .backward()']:5.2f}x the loop of .backward())")
 
 
 if __name__ == "__main__":

@@ -136,20 +136,23 @@ def _physical(t: Any) -> tuple[Any, dict[int, int]]:
     return t, positions
 
 
-def per_example(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any:
+def per_example(fn: Callable[..., Any], args: tuple[Any, ...], what: str, *, leaves: bool = False) -> Any:
     """``fn(*args)`` once per example of the vmap levels its arguments are batched at, results stacked.
 
     ``what`` names ``fn`` in errors. With no batched argument it is ``fn(*args)`` on the peeled arguments.
+    ``leaves=True``: ``fn`` is called with the list of ``args``' pytree leaves (one example's), which it
+    rebuilds itself (a loop that would flatten them again saves a flatten and an unflatten per example).
     """
     flat, spec = pytree.tree_flatten(args)
     peeled = [_physical(t) for t in flat]
     levels = sorted({level for _, positions in peeled for level in positions}, reverse=True)  # innermost first
+    call: Callable[[list[Any]], Any] = fn if leaves else lambda xs: fn(*pytree.tree_unflatten(xs, spec))
     if not levels:
-        return fn(*pytree.tree_unflatten([t for t, _ in peeled], spec))
+        return call([t for t, _ in peeled])
     plain = [t for t, _ in peeled]
     with torch._C._DisableFuncTorch():  # each example runs below every level, as the loop runs it
         # Each tensor with one leading dim per level that batches it, innermost first.
-        leaves: list[tuple[Any, list[int]]] = []
+        tensors: list[tuple[Any, list[int]]] = []
         sizes = {}
         for t, positions in peeled:
             mine = [level for level in levels if level in positions]
@@ -158,8 +161,8 @@ def per_example(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any
                 t = t.permute(*order, *[d for d in range(t.dim()) if d not in order])
             for i, level in enumerate(mine):
                 sizes[level] = t.shape[i]
-            leaves.append((t, mine))
-        out, out_spec = _loop(fn, what, spec, leaves, levels, [sizes[level] for level in levels], plain)
+            tensors.append((t, mine))
+        out, out_spec = _loop(call, what, tensors, levels, [sizes[level] for level in levels], plain)
     # Tensors come back with one leading dim per level, innermost first: batched
     # at the outermost level first (its BatchedTensor is the one under the others).
     results = []
@@ -172,9 +175,8 @@ def per_example(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> Any
 
 
 def _loop(
-    fn: Callable[..., Any],
+    fn: Callable[[list[Any]], Any],
     what: str,
-    spec: Any,
     leaves: list[tuple[Any, list[int]]],
     levels: list[int],
     sizes: list[int],
@@ -182,7 +184,7 @@ def _loop(
 ) -> tuple[list[Any], Any]:
     """``fn`` per example of ``levels[0]``, recursively of the others; tensors stacked, one leading dim per level."""
     if not levels:
-        return pytree.tree_flatten(fn(*pytree.tree_unflatten([t for t, _ in leaves], spec)))
+        return pytree.tree_flatten(fn([t for t, _ in leaves]))
     level, size = levels[0], sizes[0]
     randomness = _randomness(level)  # NOTE [Per-example draws follow vmap's randomness]
     state = None if randomness == RandomnessType.Different else RandomState(plain)
@@ -191,7 +193,7 @@ def _loop(
         if b and randomness == RandomnessType.Same:
             state.restore()  # type: ignore[union-attr]  # set for Same
         example = [(t.select(0, b), mine[1:]) if mine and mine[0] == level else (t, mine) for t, mine in leaves]
-        examples.append(_loop(fn, what, spec, example, levels[1:], sizes[1:], plain))
+        examples.append(_loop(fn, what, example, levels[1:], sizes[1:], plain))
     if randomness == RandomnessType.Error and state.changed(plain):  # type: ignore[union-attr]
         raise _drew_in_error_mode(what, level)
     first, out_spec = examples[0]

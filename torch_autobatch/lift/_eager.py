@@ -196,7 +196,7 @@ def run_as_eager(
     """
     saved, attributes, needs, for_forward = ctx_parts(ctx)
     tree = (saved, attributes, args)
-    leaves, _ = pytree.tree_flatten(tree)
+    leaves, spec = pytree.tree_flatten(tree)
     stack = _functorch.get_interpreter_stack() or ()
     own_live = any(i.level() == own and i.key() in _AD for i in stack)
     how = _how(leaves, own, own_live, {i.level() for i in stack}, own_may_differentiate)
@@ -209,11 +209,10 @@ def run_as_eager(
     n_ctx = len(pytree.tree_leaves((saved, attributes)))
     mask = [i < n_ctx and _requires_grad(t, own, own_live) for i, t in enumerate(leaves)]
 
-    def run(*tree: Any) -> Any:
+    def run(flat: list[Any]) -> Any:  # (one example's leaves of tree)
         popped = Popped()  # NOTE [Popping levels, interruptibly]
         try:
             popped.above(0)  # (functorch refuses requires_grad_ while any level is on the stack)
-            flat, spec = pytree.tree_flatten(tree)
             saved, attributes, args = pytree.tree_unflatten([_fresh(t, m) for t, m in zip(flat, mask)], spec)
             replay = _ReplayCtx(saved, attributes, needs)
             undo = _inputs_requiring_grad(attributes, needs)
@@ -225,15 +224,18 @@ def run_as_eager(
             finally:
                 for store, key, old in reversed(undo):
                     store[key] = old
-            out = pytree.tree_map_only(_Tensor, lambda t: t.detach() if t.requires_grad else t, out)
+            if type(out) is tuple:
+                out = tuple(t.detach() if isinstance(t, _Tensor) and t.requires_grad else t for t in out)
+            else:
+                out = pytree.tree_map_only(_Tensor, lambda t: t.detach() if t.requires_grad else t, out)
             return _refusing_differentiation(out, what) if how == _GUARDED else out
         finally:
             restore(popped.back)
 
     if error is None:
-        return per_example(run, tree, what)
+        return per_example(run, tree, what, leaves=True)
     try:
-        return per_example(run, tree, what)
+        return per_example(run, tree, what, leaves=True)
     except DrewUnderError:
         raise  # (the loop's own refusal, not the function's failure)
     except Exception:
