@@ -14,6 +14,7 @@ class's own eager ``.backward()``, a loop of it over the examples for
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 
 import torch
@@ -367,6 +368,28 @@ class TestPythonObjectArguments(TestCase):
                 Exception, r"(?s)Take.apply runs eagerly.*its arguments index are Python objects"
             ):
                 compiled(torch.randn(3, 4, dtype=DT))
+
+    def test_a_vmap_rule_and_a_second_thread_get_the_objects_back(self):
+        calls = []
+
+        class PickRule(PickThen):
+            @staticmethod
+            def vmap(info, in_dims, x, index, fn):
+                calls.append(index)
+                return fn(x[(slice(None), *index)] if in_dims[0] == 0 else x[index]), in_dims[0]
+
+        x = torch.randn(2, 3, 4, dtype=DT)
+        want = torch.stack([torch.sin(e[..., 1]) for e in x])
+        with lifted_in_place(PickRule):
+            self.assertEqual(vmap(lambda x: PickRule.apply(x, (..., 1), _sin))(x), want)
+            self.assertEqual(calls, [(..., 1)])  # the class's own rule ran, with the tuple as given
+            results: list[torch.Tensor] = []
+            worker = threading.Thread(
+                target=lambda: results.append(grad(lambda x: PickRule.apply(x, (..., 1), _sin).sum())(x[0]))
+            )
+            worker.start()
+            worker.join()
+            self.assertEqual(results[0], grad(lambda x: PickRule.apply(x, (..., 1), _sin).sum())(x[0]))
 
 
 instantiate_parametrized_tests(TestPythonObjectArguments)
