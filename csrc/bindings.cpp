@@ -8,6 +8,10 @@
 namespace torch_autobatch {
 
 std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opdef);
+// NOTE [The unbatched call's fast path] (fast_call.cpp).
+py::object make_fast_call_function(const std::shared_ptr<OpState>& state);
+int64_t fast_calls_on_this_thread();
+void install_call_slot(py::handle cls);
 
 namespace {
 
@@ -100,6 +104,10 @@ PYBIND11_MODULE(_C, m) {
           "forget_fwd_checks", [](tab::Registration& r) { r.state->vjp_checked.clear(); },
           "fwd's output is checked anew (a new fwd or fake kernel).")
       .def(
+          "fast_call_function",
+          [](tab::Registration& r) { return tab::make_fast_call_function(r.state); },
+          "fast_call(args) for the op: NOTE [The unbatched call's fast path].")
+      .def(
           "destroy", [](tab::Registration& r) { r.state->deregister(); },
           "Deregisters the kernels now (idempotent).")
       .def_property_readonly("registered", [](const tab::Registration& r) {
@@ -119,6 +127,13 @@ PYBIND11_MODULE(_C, m) {
       "Registers torch_autobatch's C++ kernels (Autograd) for the operator "
       "`qualname`, calling back into `opdef`. Returns a handle that keeps them "
       "registered.");
+  m.def(
+      "_install_call_slot", &tab::install_call_slot, py::arg("cls"),
+      "Sets the op class's tp_call to the C++ one (NOTE [The op's call slot], fast_call.cpp).");
+  m.def(
+      "_fast_calls", &tab::fast_calls_on_this_thread,
+      "How many op calls on this thread took the fast path (NOTE [The unbatched call's fast "
+      "path]); for tests.");
   m.def(
       "_python_side_names",
       [] {

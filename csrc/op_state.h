@@ -76,6 +76,9 @@ struct OpState {
   // The definition our kernels were registered for still exists; cleared by
   // the dispatcher listener (registration.cpp).
   std::atomic<bool> defined{true};
+  // Our kernels are registered (cleared by deregister()): the unbatched
+  // call's fast path stands for them only then (fast_call.cpp).
+  std::atomic<bool> registered{true};
 
   // The CustomOpDef; raises a clear error if it is gone. Requires the GIL.
   py::object opdef() const;
@@ -297,6 +300,21 @@ bool run_backend(
     c10::DispatchKeySet ks,
     torch::jit::Stack* stack);
 bool has_functional_schema(const c10::FunctionSchema& schema);
+// The Python function run_backend would call directly for `ks` (the keys
+// below the calling kernel), or None where it would redispatch. Requires the
+// GIL.
+py::object served_function(
+    const OpState& state,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet ks);
+// Pushes what the op's function returned (`out`) onto `stack` as the schema's
+// returns, converted as torch's Python kernels convert them (raising as they
+// do). Requires the GIL.
+void push_returns(
+    const OpState& state,
+    const c10::FunctionSchema& schema,
+    const py::object& out,
+    torch::jit::Stack* stack);
 // Looks up what run_backend needs from torch; called once, at import.
 void init_composite_call();
 

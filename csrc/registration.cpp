@@ -37,6 +37,7 @@ py::object OpState::opdef() const {
 }
 
 void OpState::deregister() {
+  registered.store(false);
   std::unique_ptr<torch::Library> dropped;
   {
     std::lock_guard<std::mutex> guard(lib_mutex);

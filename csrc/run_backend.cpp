@@ -131,6 +131,8 @@ py::object direct_function(const OpState& state) {
   return py::reinterpret_borrow<py::object>(wrapper);
 }
 
+} // namespace
+
 // Pushes what the op's function returned, as the schema's returns.
 void push_returns(
     const OpState& state,
@@ -163,6 +165,8 @@ void push_returns(
     torch::jit::push(*stack, torch::jit::toIValue(seq[r], returns[r].type()));
   }
 }
+
+namespace {
 
 // Replaces the op's arguments on `stack` by what `fn` returns for them, as
 // torch's PythonKernelHolder does (keyword-only arguments by name). One
@@ -244,6 +248,16 @@ void init_composite_call() {
     g_get_eval_frame_callback = nullptr;
     g_torch_compiler = nullptr;
   }
+}
+
+py::object served_function(
+    const OpState& state,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet ks) {
+  if (!state.functional_schema || !composite_serves(op, ks)) {
+    return py::none();
+  }
+  return direct_function(state);
 }
 
 bool run_backend(

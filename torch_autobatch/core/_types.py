@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     import torch._ops
 
 
+def _no_fast_call(args: tuple[Any, ...]) -> Any:
+    """An op without its kernels yet takes the dispatcher's path."""
+    return NotImplemented
+
+
 class OpExtras:
     """What torch_autobatch keeps per op beyond torch's CustomOpDef.
 
@@ -48,6 +53,7 @@ class OpExtras:
         "_eager_under_compile",
         "gone",
         "guarded",
+        "fast_call",
     )
 
     def __init__(self, kwarg_only: tuple[str, ...], positional_grads_ok: bool, num_returns: int) -> None:
@@ -95,6 +101,9 @@ class OpExtras:
         self.gone: Optional[str] = None
         #: Does a call take the slow path (``eager_under_compile`` or ``gone`` set)?
         self.guarded = False
+        #: ``fast_call(args)``: the call without the dispatcher, or NotImplemented
+        #: (NOTE [The unbatched call's fast path], csrc/fast_call.cpp).
+        self.fast_call: Callable[[tuple[Any, ...]], Any] = _no_fast_call
         self._eager_under_compile: Optional[Callable[..., Any]] = None
 
     @property

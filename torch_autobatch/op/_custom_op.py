@@ -148,6 +148,7 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
         )
         self._ab.setup_context_kwonly = self._kwonly_form(self._setup_context_fn)
         self._ab.registration = _C._register_op(self._qualname, self)
+        self._ab.fast_call = self._ab.registration.fast_call_function()
         # NOTE [Kernels die with their op] (csrc/registration.cpp): the handle
         # holds the op, as torch's kernels on that Library do (OPDEFS is weak).
         self._lib._registration_handles.append(_library_utils.RegistrationHandle(self._destroy_kernels))
@@ -505,6 +506,9 @@ class CustomOpDef(KernelSide, OpIdentity, _torch_custom_ops.CustomOpDef):  # NOT
                 f"that returns empty tensors of the output shapes (torch.empty_like, "
                 f"x.new_empty)."
             ) from e
+
+
+_C._install_call_slot(CustomOpDef)  # NOTE [The op's call slot] (csrc/fast_call.cpp)
 
 
 # The exception types a fake kernel's failure is explained for (exactly these:

@@ -32,6 +32,8 @@ from . import _forward_mode, _vjp
 if TYPE_CHECKING:
     import torch._ops
 
+_is_compiling = torch.compiler.is_compiling
+
 
 def fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
@@ -124,6 +126,10 @@ class KernelSide(OpBase):
             # NOTE [A traced rule cannot read a tensor constant] (export traces no rule)
             if eager is not None and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
                 return eager(*args, **kwargs)
+        elif not kwargs and not _is_compiling():  # Dynamo traces the op whole
+            out = ab.fast_call(args)  # NOTE [The unbatched call's fast path] (csrc/fast_call.cpp)
+            if out is not NotImplemented:
+                return out
         return self._opoverload(*args, **kwargs)
 
     def _split_args(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
