@@ -334,6 +334,16 @@ class TestDeclined(TestCase):
         self.assertIn(OP, LoggingTensor.seen)
         self.assertEqual(out.elem, plain(x, y))
 
+    def test_torch_function_subclass(self):
+        # A plain subclass gets the op through Tensor.__torch_function__, which
+        # returns the subclass: only the dispatcher's path does that.
+        class Marked(torch.Tensor):
+            pass
+
+        x, y = inputs()
+        out = self.assert_declined(f, x.as_subclass(Marked), y)
+        self.assertIs(type(out), Marked)
+
     @parametrize("transform", ["vmap", "grad", "jvp", "functionalize"])
     def test_functorch(self, transform):
         x, y = inputs()
