@@ -10,7 +10,7 @@ namespace torch_autobatch {
 std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opdef);
 // NOTE [The unbatched call's fast path] (fast_call.cpp).
 py::object make_fast_call_function(const std::shared_ptr<OpState>& state);
-int64_t fast_calls_on_this_thread();
+std::pair<int64_t, int64_t> fast_calls_on_this_thread();
 void install_call_slot(py::handle cls);
 
 namespace {
@@ -132,8 +132,8 @@ PYBIND11_MODULE(_C, m) {
       "Sets the op class's tp_call to the C++ one (NOTE [The op's call slot], fast_call.cpp).");
   m.def(
       "_fast_calls", &tab::fast_calls_on_this_thread,
-      "How many op calls on this thread took the fast path (NOTE [The unbatched call's fast "
-      "path]); for tests.");
+      "(skipped the dispatcher, sent to it by fast_call): the op calls on this thread that "
+      "took each part of NOTE [The unbatched call's fast path]; for tests.");
   m.def(
       "_python_side_names",
       [] {

@@ -62,7 +62,10 @@ struct FastCall {
 
 constexpr const char* kCapsuleName = "torch_autobatch.FastCall";
 
-thread_local int64_t t_fast_calls = 0; // NOTE [The unbatched call's fast path]: for tests
+// NOTE [The unbatched call's fast path]: the calls on this thread that
+// skipped the dispatcher, and those that fast_call sent to it; for tests.
+thread_local int64_t t_fast_calls = 0;
+thread_local int64_t t_dispatched_calls = 0;
 
 FastCall make_fast_call(std::shared_ptr<OpState> state, const c10::OperatorHandle& op) {
   FastCall f{std::move(state), op, {}, 0, false};
@@ -107,68 +110,107 @@ constexpr c10::DispatchKeySet kAboveBackend = c10::autograd_dispatch_keyset |
                                               c10::autocast_dispatch_keyset |
                                               c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
 
+// Nothing would see a call that skips the dispatcher: see the NOTE.
 bool nothing_observes() {
   const auto tls = c10::impl::tls_local_dispatch_key_set();
   return tls.included_ == c10::default_included_set &&
-         tls.excluded_ == c10::default_excluded_set && !at::hasCallbacks() &&
-         !at::impl::torch_function_mode_enabled();
+         tls.excluded_ == c10::default_excluded_set && !at::hasCallbacks();
 }
 
-// The function the dispatcher's path would end in, with the tensors to
-// check aliasing against, or None (the dispatcher's path must run).
-py::object function_for(const FastCall& f, PyObject* args, std::vector<at::Tensor>& inputs) {
+// The arguments of one call, as far as the fast path reads them.
+struct Parsed {
+  std::vector<at::Tensor> inputs;
+  c10::DispatchKeySet keys; // the union of the tensors' keys
+  bool plain = true; // no tensor needs grad or has a tangent; only backend-level keys
+};
+
+// Does every argument have its schema's kind without conversion (see the
+// NOTE)? Fills `p`.
+bool parse(const FastCall& f, PyObject* args, Parsed& p) {
   const auto n = static_cast<size_t>(PyTuple_GET_SIZE(args));
   if (n < f.required || n > f.kinds.size()) {
-    return py::none();
+    return false;
   }
   const bool grad_mode = c10::GradMode::is_enabled();
-  c10::DispatchKeySet keys;
-  inputs.reserve(n);
+  p.inputs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     PyObject* a = PyTuple_GET_ITEM(args, i);
     switch (f.kinds[i]) {
       case ArgKind::Tensor: {
         if (!THPVariable_CheckExact(a)) {
-          return py::none();
+          return false;
         }
         const at::Tensor& t = THPVariable_Unpack(a);
-        if ((grad_mode && t.requires_grad()) || torch::autograd::isFwGradDefined(t)) {
-          return py::none();
-        }
         // Dense is the lowest functionality: being the highest, it is the only one.
         const auto ks = t.key_set();
         const auto below = ks - kAboveBackend;
-        if (below.empty() || below.highestFunctionalityKey() != c10::DispatchKey::Dense) {
-          return py::none();
-        }
-        keys = keys | ks;
-        inputs.push_back(t);
+        p.plain = p.plain && !(grad_mode && t.requires_grad()) &&
+                  !torch::autograd::isFwGradDefined(t) && !below.empty() &&
+                  below.highestFunctionalityKey() == c10::DispatchKey::Dense;
+        p.keys = p.keys | ks;
+        p.inputs.push_back(t);
         break;
       }
       case ArgKind::Int: {
         if (!PyLong_CheckExact(a)) {
-          return py::none();
+          return false;
         }
         int overflow = 0;
         PyLong_AsLongLongAndOverflow(a, &overflow);
         if (overflow != 0) {
-          return py::none();
+          return false;
         }
         break;
       }
       case ArgKind::Float:
         if (!PyFloat_CheckExact(a)) {
-          return py::none();
+          return false;
         }
         break;
       case ArgKind::Bool:
         if (!PyBool_Check(a)) {
-          return py::none();
+          return false;
         }
         break;
     }
   }
-  return served_function(*f.state, f.op, keys & c10::after_ADInplaceOrView_keyset);
+  return true;
+}
+
+// The call through the dispatcher, as torch.ops' Python binding makes it
+// (torch's invokeOperatorFromPython: the stack, callBoxed without the GIL,
+// the returns), without its argument parsing, which parse() did.
+PyObject* call_dispatcher(const FastCall& f, PyObject* args) {
+  const auto& schema = f.op.schema();
+  const auto n = static_cast<size_t>(PyTuple_GET_SIZE(args));
+  torch::jit::Stack stack;
+  stack.reserve(f.kinds.size());
+  for (size_t i = 0; i < f.kinds.size(); ++i) {
+    if (i >= n) {
+      stack.push_back(*schema.arguments()[i].default_value());
+      continue;
+    }
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    switch (f.kinds[i]) {
+      case ArgKind::Tensor:
+        stack.emplace_back(THPVariable_Unpack(a));
+        break;
+      case ArgKind::Int:
+        stack.emplace_back(static_cast<int64_t>(PyLong_AsLongLong(a)));
+        break;
+      case ArgKind::Float:
+        stack.emplace_back(PyFloat_AS_DOUBLE(a));
+        break;
+      case ArgKind::Bool:
+        stack.emplace_back(a == Py_True);
+        break;
+    }
+  }
+  {
+    py::gil_scoped_release no_gil;
+    f.op.callBoxed(&stack);
+  }
+  return torch::jit::createPyObjectForStack(std::move(stack)).release().ptr();
 }
 
 // The op's returns as the dispatcher's path returns them to Python.
@@ -189,19 +231,27 @@ py::object returned(const FastCall& f, py::object out, std::vector<at::Tensor>& 
 }
 
 // The op's outputs for the arguments' tuple `args` (a new reference), or
-// NotImplemented (a new reference) where the dispatcher's path must run.
+// NotImplemented (a new reference) where torch's Python binding must run.
 PyObject* call_fast(const FastCall& f, PyObject* args) {
+  if (!f.eligible || at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NOTIMPLEMENTED; // (a TorchFunctionMode sees the call in torch's binding)
+  }
+  Parsed p;
+  if (!parse(f, args, p)) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
   const OpState& state = *f.state;
-  if (!f.eligible || !state.registered.load(std::memory_order_relaxed) ||
-      !state.defined.load(std::memory_order_relaxed) ||
-      state.has_closure.load(std::memory_order_relaxed) || !nothing_observes()) {
-    Py_RETURN_NOTIMPLEMENTED;
+  py::object fn;
+  if (p.plain && state.registered.load(std::memory_order_relaxed) &&
+      state.defined.load(std::memory_order_relaxed) &&
+      !state.has_closure.load(std::memory_order_relaxed) && nothing_observes()) {
+    fn = served_function(state, f.op, p.keys & c10::after_ADInplaceOrView_keyset);
   }
-  std::vector<at::Tensor> inputs;
-  const py::object fn = function_for(f, args, inputs);
-  if (fn.is_none()) {
-    Py_RETURN_NOTIMPLEMENTED;
+  if (!fn || fn.is_none()) {
+    ++t_dispatched_calls;
+    return call_dispatcher(f, args);
   }
+  const auto& inputs = p.inputs;
   ++t_fast_calls;
   py::object out;
   {
@@ -358,8 +408,8 @@ void install_call_slot(py::handle cls) {
   type->tp_call = op_call;
 }
 
-int64_t fast_calls_on_this_thread() {
-  return t_fast_calls;
+std::pair<int64_t, int64_t> fast_calls_on_this_thread() {
+  return {t_fast_calls, t_dispatched_calls};
 }
 
 } // namespace torch_autobatch

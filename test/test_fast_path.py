@@ -74,11 +74,13 @@ class FastCalls:
     """How many calls on this thread took the fast path inside the block."""
 
     def __enter__(self):
-        self.start = _C._fast_calls()
+        self.start, self.start_dispatched = _C._fast_calls()
         return self
 
     def __exit__(self, *exc):
-        self.count = _C._fast_calls() - self.start
+        direct, dispatched = _C._fast_calls()
+        self.count = direct - self.start
+        self.dispatched = dispatched - self.start_dispatched
 
 
 class Recorder(TorchDispatchMode):
