@@ -102,6 +102,13 @@ inline bool thread_local_callback_installed(CallbackHandle handle) {
   return false;
 }
 
+// Is `handle` the only RecordFunction callback that would see a call on this
+// thread (no global callback, no other thread-local one)?
+inline bool only_callback(CallbackHandle handle) {
+  const auto& callbacks = at::get_record_function_tls_().sorted_tls_callbacks_;
+  return !at::hasGlobalCallbacks() && callbacks.size() == 1 && callbacks[0].handle_ == handle;
+}
+
 // ------------------------------------------------------------ IValues
 // An empty list of any IValues (c10::impl::GenericList, the type of an
 // IValue's list): its untyped constructor is not public API.

@@ -206,11 +206,28 @@ void warn_unrecorded(const at::RecordFunction& fn, const std::exception& e) {
       c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
 }
 
+// NOTE [Nested calls are not observed]
+// Only the outermost op is recorded, but every dispatcher call the op makes
+// inside (a linear's addmm, a custom op's aten ops, their own callees) would
+// pay for a RecordFunction and a copy of its inputs and outputs, only for our
+// callback to count its depth: on a small model that was most of what tracing
+// cost. When ours is the only RecordFunction callback (no profiler, no
+// other observer), RecordFunction is turned off on this thread for the
+// outermost op's duration, and back on when it ends (on_end runs for it
+// either way, exceptions included: the RecordFunction that started it ends
+// it). Where another callback is installed, nothing is turned off: it sees
+// every call as before. The depth count stays, so a call that slips through
+// (a guard inside the op that turns RecordFunction back on) is still not
+// recorded.
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   auto& s = tls;
   const auto* op = op_of(s, fn);
   if (op == nullptr || op->transparent || s.depth++ != 0) {
     return nullptr;
+  }
+  if (internals::only_callback(s.handle)) {
+    s.muted = true;
+    at::enableRecordFunction(false);
   }
   try {
     begin_op(s, fn, op);
@@ -224,7 +241,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
 void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   auto& s = tls;
   const auto* op = op_of(s, fn);
-  if (op == nullptr || op->transparent || s.depth == 0 || --s.depth != 0 || !s.trace) {
+  if (op == nullptr || op->transparent || s.depth == 0 || --s.depth != 0) {
+    return;
+  }
+  if (s.muted) {
+    s.muted = false;
+    at::enableRecordFunction(true);
+  }
+  if (!s.trace) {
     return;
   }
   const auto trace = std::move(s.trace);

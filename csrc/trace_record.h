@@ -264,6 +264,9 @@ const NodeHook* traced_hook(const Node& n);
 struct ThreadState {
   std::vector<std::shared_ptr<TraceImpl>> blocks; // active trace() blocks, innermost last
   int depth = 0; // dispatcher ops running on this thread that our callback saw start
+  // RecordFunction is off on this thread while the outermost op runs: NOTE
+  // [Nested calls are not observed].
+  bool muted = false;
   // The outermost op, while it runs and is recorded:
   std::shared_ptr<TraceImpl> trace;
   int32_t group = 0;

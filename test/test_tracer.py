@@ -542,6 +542,46 @@ class TestExceptions(TestCase):
         self.assertEqual(len(outer), 2)
 
 
+def profiled_op_names(fn: Callable[[], Any]) -> list[str]:
+    with torch.profiler.profile() as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+@torch_autobatch.custom_op("trace_test::raises_after_tanh", mutates_args=())
+def raises_after_tanh(x: torch.Tensor) -> torch.Tensor:
+    torch.tanh(x)
+    raise Boom()
+
+
+class TestNestedCallsMuted(TestCase):
+    """NOTE [Nested calls are not observed]: RecordFunction is off inside a recorded op only while ours is alone."""
+
+    def op(self) -> torch.Tensor:
+        return softclip(torch.ones(3), 2.0)  # one op; its function calls aten.tanh
+
+    def test_a_profiler_inside_a_trace_sees_nested_calls(self):
+        with trace() as t:
+            names = profiled_op_names(self.op)
+        self.assertIn("trace_test::softclip", names)
+        self.assertIn("aten::tanh", names)
+        self.assertIn("trace_test.softclip.default", str(t))
+        self.assertNotIn("tanh", str(t))
+
+    def test_record_function_is_back_on_after_an_op_that_raised(self):
+        with trace():
+            with self.assertRaises(Boom):
+                raises_after_tanh(torch.ones(3))
+        self.assertIn("aten::tanh", profiled_op_names(self.op))
+
+    def test_record_function_is_back_on_after_each_op(self):
+        with trace() as t:
+            self.op()
+            self.op()
+        self.assertEqual(str(t).count("trace_test.softclip.default"), 2)
+        self.assertIn("aten::tanh", profiled_op_names(self.op))
+
+
 class TestLifetime(TestCase):
     def setUp(self) -> None:
         gc.collect()

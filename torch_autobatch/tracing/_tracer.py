@@ -296,7 +296,10 @@ def _format_entry(entry: _Entry) -> str:
 # place. While any trace block is open, that fast path is off for every
 # torch.library custom op that has it (a speed switch only: the same kernels
 # run); the last block to close turns it back on. Feature-detected, so it is a
-# no-op where torch has no such path. An op defined inside a block keeps it.
+# no-op where torch has no such path (and costs nothing there: a block would
+# otherwise walk every op torch.library knows). An op defined inside a block
+# keeps it.
+_HAS_PYOBJ_DISPATCH = hasattr(torch._ops.OpOverload, "_enable_pyobj_dispatch")
 _fast_path_lock = threading.Lock()
 _open_blocks = 0
 _fast_path_ops: list[torch._ops.OpOverload] = []
@@ -304,6 +307,8 @@ _fast_path_ops: list[torch._ops.OpOverload] = []
 
 def _suspend_custom_op_fast_paths() -> None:
     global _open_blocks
+    if not _HAS_PYOBJ_DISPATCH:
+        return
     with _fast_path_lock:
         _open_blocks += 1
         if _open_blocks > 1:
@@ -319,6 +324,8 @@ def _suspend_custom_op_fast_paths() -> None:
 
 def _resume_custom_op_fast_paths() -> None:
     global _open_blocks
+    if not _HAS_PYOBJ_DISPATCH:
+        return
     with _fast_path_lock:
         _open_blocks -= 1
         if _open_blocks > 0:
