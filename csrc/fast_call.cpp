@@ -31,10 +31,16 @@
 // - the op's kernels are registered and its definition lives, and its user code
 //   closes over nothing that the Autograd kernel would check.
 // Torch.compile never reaches here: __call__ asks only outside a Dynamo trace.
-// Otherwise fast_call returns NotImplemented before anything ran, and the call
-// takes the dispatcher's path. Outputs are converted and checked as there
-// (push_returns, check_no_aliasing), so a wrong return raises the same error.
-// test_fast_path.py calls the op under each observer and checks it sees the op.
+// Outputs are converted and checked as there (push_returns,
+// check_no_aliasing), so a wrong return raises the same error.
+// Where only the arguments' own kinds hold (a tensor requires grad, a profiler
+// or a dispatch mode is on, ...), the call goes to the dispatcher as torch.ops'
+// Python binding sends it (the stack, callBoxed without the GIL, the returns as
+// Python values), without that binding's argument parsing, which the checks
+// above did; a TorchFunctionMode, a tensor subclass or keyword arguments leave
+// the call to torch's binding (fast_call returns NotImplemented before anything
+// ran). test_fast_path.py calls the op under each observer and checks that it
+// sees the op.
 #include "op_state.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
