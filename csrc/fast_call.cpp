@@ -239,18 +239,19 @@ py::object returned(const FastCall& f, py::object out, std::vector<at::Tensor>& 
 // The op's outputs for the arguments' tuple `args` (a new reference), or
 // NotImplemented (a new reference) where torch's Python binding must run.
 PyObject* call_fast(const FastCall& f, PyObject* args) {
-  if (!f.eligible || at::impl::torch_function_mode_enabled()) {
+  const OpState& state = *f.state;
+  // A definition gone (or our kernels with it) leaves `f.op` dangling: torch's
+  // binding and the op's __call__ say what happened.
+  if (!f.eligible || !state.registered.load(std::memory_order_relaxed) ||
+      !state.defined.load(std::memory_order_relaxed) || at::impl::torch_function_mode_enabled()) {
     Py_RETURN_NOTIMPLEMENTED; // (a TorchFunctionMode sees the call in torch's binding)
   }
   Parsed p;
   if (!parse(f, args, p)) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  const OpState& state = *f.state;
   py::object fn;
-  if (p.plain && state.registered.load(std::memory_order_relaxed) &&
-      state.defined.load(std::memory_order_relaxed) &&
-      !state.has_closure.load(std::memory_order_relaxed) && nothing_observes()) {
+  if (p.plain && !state.has_closure.load(std::memory_order_relaxed) && nothing_observes()) {
     fn = served_function(state, f.op, p.keys & c10::after_ADInplaceOrView_keyset);
   }
   if (!fn || fn.is_none()) {

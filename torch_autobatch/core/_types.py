@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import torch._ops
 
 
-def _no_fast_call(args: tuple[Any, ...]) -> Any:
+def no_fast_call(args: tuple[Any, ...]) -> Any:
     """An op without its kernels yet takes the dispatcher's path."""
     return NotImplemented
 
@@ -103,7 +103,7 @@ class OpExtras:
         self.guarded = False
         #: ``fast_call(args)``: the call without the dispatcher, or NotImplemented
         #: (NOTE [The unbatched call's fast path], csrc/fast_call.cpp).
-        self.fast_call: Callable[[tuple[Any, ...]], Any] = _no_fast_call
+        self.fast_call: Callable[[tuple[Any, ...]], Any] = no_fast_call
         self._eager_under_compile: Optional[Callable[..., Any]] = None
 
     @property

@@ -48,11 +48,13 @@ import sys
 import threading
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch._library.utils import RegistrationHandle
 
+from ..core._types import no_fast_call
 from ..vmap import _presets as _vmap_presets
 from . import _dynamo, _outputs
 from ._ctx import Residuals, _mark_dirty_message, _MarkDirty, _RecordingCtx, _residuals
@@ -89,7 +91,9 @@ _is_compiling = torch.compiler.is_compiling
 _BOUND_METHODS = (types.MethodType, types.BuiltinMethodType)
 
 _Tensor = torch.Tensor
-_Entry = tuple[Any, bool, tuple[int, ...]]  # (OpOverload, returns a 1-tuple, the positions of Python objects)
+# (OpOverload, returns a 1-tuple, the positions of Python objects, the op's
+# fast_call: NOTE [The unbatched call's fast path] in csrc/fast_call.cpp)
+_Entry = tuple[Any, bool, tuple[int, ...], Callable[[tuple[Any, ...]], Any]]
 _TENSORS = ("Tensor", "Tensor?")  # the element kinds of a list of tensors
 
 
@@ -245,7 +249,7 @@ class LiftedFunction:
                 entry = self._define(kinds, args)
             if all(isinstance(k, str) for k in kinds):
                 self._by_types[tuple(map(type, args))] = entry
-        overload, returns_1_tuple, objects = entry
+        overload, returns_1_tuple, objects, fast_call = entry
         if self._sets_attributes:  # NOTE [Attributes a forward sets on its outputs]
             _outputs.pending.spec = None
         if objects:  # NOTE [Python objects as arguments of a lifted Function] (lift/_objects.py)
@@ -253,8 +257,10 @@ class LiftedFunction:
                 return _torch_apply(self._cls, *args)
             names = [self._arg_name(i) for i in range(len(args))]
             out, _constants = call_with_objects(overload, args, objects, names, f"{self._cls.__qualname__}.apply")
-        else:
-            out = overload(*args)  # the OpOverload: what CustomOpDef.__call__ calls, a frame less
+        else:  # what CustomOpDef.__call__ does, a frame less
+            out = fast_call(args)
+            if out is NotImplemented:
+                out = overload(*args)
         if self._sets_attributes and _outputs.pending.spec is not None:
             _outputs.apply_attributes(_outputs.pending.spec, out, args, f"{self._cls.__qualname__}.apply")
         return (out,) if returns_1_tuple else out
@@ -267,7 +273,7 @@ class LiftedFunction:
                 op = _define_overload(self, kinds, probe)
                 self._defs[op._opoverload._overloadname] = op
                 objects = tuple(i for i, k in enumerate(kinds) if k == _OBJECT)
-                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1, objects)
+                entry = (op._opoverload, probe.returns_tuple and probe.num_outputs == 1, objects, op._ab.fast_call)
                 self._ops[kinds] = entry
                 # NOTE [A redefined op's old object is stale]: then the op's own call, which raises
                 op._lib._registration_handles.append(
@@ -282,9 +288,9 @@ def _forget(ref: weakref.ref[LiftedFunction], op: Any) -> None:
     if lifted is not None:
         with lifted._lock:
             for cache in (lifted._ops, lifted._by_types):
-                for key, (overload, returns_1_tuple, objects) in list(cache.items()):
+                for key, (overload, returns_1_tuple, objects, _) in list(cache.items()):
                     if overload is op._opoverload:
-                        cache[key] = (op, returns_1_tuple, objects)
+                        cache[key] = (op, returns_1_tuple, objects, no_fast_call)
 
 
 def _torch_apply(klass: FunctionClass, *args: Any, **kwargs: Any) -> Any:
