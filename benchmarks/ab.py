@@ -13,7 +13,7 @@ imports (``PYTHONPATH=<before>`` or this checkout). Each repeat runs every group
 once per build, alternating which build goes first, so a slow minute of the
 machine hits both. A row's figure is torch_autobatch / plain (each at its
 fastest round, NOTE [Interleaved medians] in run.py), then the median over
-repeats; the plain function is measured in every run, so the two builds are
+repeats, with their range; the plain function is measured in every run, so the two builds are
 compared by their ratio to it, never by absolute times from different minutes.
 """
 
@@ -90,9 +90,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("|:---|:---|---:|---:|")
     for group, rows in ratios.items():
         for key, by_build in rows.items():
-            cells = [f"{statistics.median(by_build[b]):.2f}x" if b in by_build else "n/a" for b in builds]
+            cells = [_cell(by_build[b]) if b in by_build else "n/a" for b in builds]
             print(f"| {group} | {key} | {cells[0]} | {cells[1]} |")
     return 0
+
+
+def _cell(ratios: list[float]) -> str:
+    """The median over repeats, then the range: ``1.06x (1.04-1.09)``."""
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 if __name__ == "__main__":
