@@ -303,13 +303,7 @@ PyMethodDef g_fast_call_def = {
 } // namespace
 
 py::object make_fast_call_function(const std::shared_ptr<OpState>& state) {
-  const auto sep = state->qualname.find("::");
-  const auto name = state->qualname.substr(sep + 2);
-  const auto dot = name.find('.');
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
-      (state->qualname.substr(0, sep + 2) + name.substr(0, dot)).c_str(),
-      dot == std::string::npos ? "" : name.substr(dot + 1).c_str());
-  auto* f = new FastCall(make_fast_call(state, op));
+  auto* f = new FastCall(make_fast_call(state, find_op(state->qualname)));
   PyObject* capsule = PyCapsule_New(f, kCapsuleName, [](PyObject* c) {
     delete static_cast<FastCall*>(PyCapsule_GetPointer(c, kCapsuleName));
   });

@@ -89,6 +89,10 @@ struct OpState {
   void deregister();
 };
 
+// The operator `qualname` names ("ns::name" or "ns::name.overload"); raises
+// if there is none (registration.cpp).
+c10::OperatorHandle find_op(const std::string& qualname);
+
 // A kernel of ours that finds its op's definition gone (`!state.defined`):
 // deregisters our kernels and redispatches `ks` to what the dispatcher has
 // without them (NOTE [Kernels die with their op]).

@@ -118,8 +118,7 @@ void remember(const std::shared_ptr<OpState>& state) {
 
 } // namespace
 
-std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opdef) {
-  listen_once();
+c10::OperatorHandle find_op(const std::string& qualname) {
   const auto sep = qualname.find("::");
   TORCH_CHECK(
       sep != std::string::npos,
@@ -127,9 +126,16 @@ std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opd
   // "ns::name" or "ns::name.overload", as torch.library.custom_op takes it.
   const auto name = qualname.substr(sep + 2);
   const auto dot = name.find('.');
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+  return c10::Dispatcher::singleton().findSchemaOrThrow(
       (qualname.substr(0, sep + 2) + name.substr(0, dot)).c_str(),
       dot == std::string::npos ? "" : name.substr(dot + 1).c_str());
+}
+
+std::shared_ptr<OpState> register_op(const std::string& qualname, py::handle opdef) {
+  listen_once();
+  const auto sep = qualname.find("::");
+  const auto name = qualname.substr(sep + 2);
+  const auto op = find_op(qualname);
   auto state = std::make_shared<OpState>();
   state->qualname = qualname;
   std::string node_suffix = name;
