@@ -76,8 +76,8 @@ thread_local int64_t t_dispatched_calls = 0;
 FastCall make_fast_call(std::shared_ptr<OpState> state, const c10::OperatorHandle& op) {
   FastCall f{std::move(state), op, {}, 0, false};
   const auto& schema = op.schema();
-  bool ok = f.state->functional_schema && !schema.returns().empty() &&
-            !f.state->returns_an_argument;
+  bool ok =
+      f.state->functional_schema && !schema.returns().empty() && !f.state->returns_an_argument;
   bool any_tensor = false;
   bool seen_default = false;
   for (const auto& a : schema.arguments()) {
@@ -112,15 +112,15 @@ FastCall make_fast_call(std::shared_ptr<OpState> state, const c10::OperatorHandl
 }
 
 // The keys a tensor may have beyond its dense backend for the fast path.
-constexpr c10::DispatchKeySet kAboveBackend = c10::autograd_dispatch_keyset |
-                                              c10::autocast_dispatch_keyset |
-                                              c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
+constexpr c10::DispatchKeySet kAboveBackend =
+    c10::autograd_dispatch_keyset | c10::autocast_dispatch_keyset |
+    c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
 
 // Nothing would see a call that skips the dispatcher: see the NOTE.
 bool nothing_observes() {
   const auto tls = c10::impl::tls_local_dispatch_key_set();
-  return tls.included_ == c10::default_included_set &&
-         tls.excluded_ == c10::default_excluded_set && !at::hasCallbacks();
+  return tls.included_ == c10::default_included_set && tls.excluded_ == c10::default_excluded_set &&
+         !at::hasCallbacks();
 }
 
 // The arguments of one call, as far as the fast path reads them.
@@ -264,8 +264,8 @@ PyObject* call_fast(const FastCall& f, PyObject* args) {
   {
     // As run_backend runs it below our Autograd kernel.
     at::AutoDispatchBelowADInplaceOrView below;
-    PyObject* result = PyObject_Vectorcall(
-        fn.ptr(), &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), nullptr);
+    PyObject* result =
+        PyObject_Vectorcall(fn.ptr(), &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), nullptr);
     if (result == nullptr) {
       throw py::error_already_set();
     }
@@ -289,7 +289,8 @@ PyObject* fast_call(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
     return nullptr;
   }
   TORCH_CHECK(
-      nargs == 1 && PyTuple_Check(argv[0]), "torch_autobatch: fast_call takes the arguments' tuple");
+      nargs == 1 && PyTuple_Check(argv[0]),
+      "torch_autobatch: fast_call takes the arguments' tuple");
   return call_fast(*f, argv[0]);
   END_HANDLE_TH_ERRORS
 }

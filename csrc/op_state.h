@@ -307,10 +307,8 @@ bool has_functional_schema(const c10::FunctionSchema& schema);
 // The Python function run_backend would call directly for `ks` (the keys
 // below the calling kernel), or None where it would redispatch. Requires the
 // GIL.
-py::object served_function(
-    const OpState& state,
-    const c10::OperatorHandle& op,
-    c10::DispatchKeySet ks);
+py::object
+served_function(const OpState& state, const c10::OperatorHandle& op, c10::DispatchKeySet ks);
 // Pushes what the op's function returned (`out`) onto `stack` as the schema's
 // returns, converted as torch's Python kernels convert them (raising as they
 // do). Requires the GIL.

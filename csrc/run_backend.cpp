@@ -250,10 +250,8 @@ void init_composite_call() {
   }
 }
 
-py::object served_function(
-    const OpState& state,
-    const c10::OperatorHandle& op,
-    c10::DispatchKeySet ks) {
+py::object
+served_function(const OpState& state, const c10::OperatorHandle& op, c10::DispatchKeySet ks) {
   if (!state.functional_schema || !composite_serves(op, ks)) {
     return py::none();
   }

@@ -42,7 +42,8 @@ class TestBenchmarkCommands(TestCase):
             timeout=300,
         )
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-        self.assertEqual(proc.stdout.count("torch_autobatch.custom_op"), 3)  # no grad, forward with grad, the whole step
+        # no grad, forward with grad, the whole step
+        self.assertEqual(proc.stdout.count("torch_autobatch.custom_op"), 3)
 
     def test_traced_vmap(self) -> None:
         proc = subprocess.run(
