@@ -47,6 +47,7 @@ PyObject* g_wrapped = nullptr; // "__wrapped__"
 PyObject* g_name = nullptr; // "__name__"
 PyObject* g_wrapped_fn = nullptr; // "wrapped_fn"
 PyObject* g_is_exporting_flag = nullptr; // "_is_exporting_flag"
+PyObject* g_disabled_kernel = nullptr; // "_disabled_kernel"
 
 // Would torch._disable_dynamo change anything around a call made now?
 bool dynamo_wrapper_needed() {
@@ -86,6 +87,83 @@ bool is_kernel_enabled_check(PyObject* fn) {
   return same == 0;
 }
 
+// NOTE [The set_kernel_enabled check, inline]
+// register_kernel's `wrapped_fn` is, in every torch we support,
+//     if device_type in self._disabled_kernel: return self._init_fn(*args, **kwargs)
+//     else: return fn(*args, **kwargs)
+// with `device_type`, `fn` and `self` its closure cells. Where the kernel is
+// not disabled, we call `fn` ourselves: one Python frame less on every call
+// (~0.2 us). Recognised by its code object's free variables, looked up once:
+// any other code keeps `wrapped_fn` itself.
+struct KernelEnabledCheck {
+  PyObject* code = nullptr; // wrapped_fn's code object (a constant of torch's module), once seen
+  Py_ssize_t device_type = -1, fn = -1, self = -1; // their indices in the closure
+};
+KernelEnabledCheck g_check;
+
+bool learn_kernel_enabled_check(PyObject* code) {
+  PyObject* freevars = PyObject_GetAttrString(code, "co_freevars");
+  if (freevars == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const py::object owned = py::reinterpret_steal<py::object>(freevars);
+  if (!PyTuple_Check(freevars) || PyTuple_GET_SIZE(freevars) != 3) {
+    return false;
+  }
+  KernelEnabledCheck check;
+  for (Py_ssize_t i = 0; i < 3; ++i) {
+    PyObject* name = PyTuple_GET_ITEM(freevars, i);
+    if (PyUnicode_CompareWithASCIIString(name, "device_type") == 0) {
+      check.device_type = i;
+    } else if (PyUnicode_CompareWithASCIIString(name, "fn") == 0) {
+      check.fn = i;
+    } else if (PyUnicode_CompareWithASCIIString(name, "self") == 0) {
+      check.self = i;
+    }
+  }
+  if (check.device_type < 0 || check.fn < 0 || check.self < 0) {
+    return false;
+  }
+  Py_INCREF(code);
+  check.code = code;
+  g_check = check;
+  return true;
+}
+
+// `wrapped_fn`'s own `fn` where its check would call it, else `wrapped_fn`.
+py::object enabled_kernel(py::object wrapped_fn) {
+  if (!PyFunction_Check(wrapped_fn.ptr())) {
+    return wrapped_fn;
+  }
+  PyObject* code = PyFunction_GET_CODE(wrapped_fn.ptr());
+  if (code != g_check.code && (g_check.code != nullptr || !learn_kernel_enabled_check(code))) {
+    return wrapped_fn;
+  }
+  PyObject* closure = PyFunction_GET_CLOSURE(wrapped_fn.ptr());
+  if (closure == nullptr || !PyTuple_Check(closure) || PyTuple_GET_SIZE(closure) != 3) {
+    return wrapped_fn;
+  }
+  PyObject* device_type = PyCell_GET(PyTuple_GET_ITEM(closure, g_check.device_type));
+  PyObject* self = PyCell_GET(PyTuple_GET_ITEM(closure, g_check.self));
+  PyObject* fn = PyCell_GET(PyTuple_GET_ITEM(closure, g_check.fn));
+  if (device_type == nullptr || self == nullptr || fn == nullptr) {
+    return wrapped_fn;
+  }
+  PyObject* disabled = PyObject_GetAttr(self, g_disabled_kernel);
+  if (disabled == nullptr) {
+    PyErr_Clear();
+    return wrapped_fn;
+  }
+  const int contains = PySet_Check(disabled) ? PySet_Contains(disabled, device_type) : -1;
+  Py_DECREF(disabled);
+  if (contains != 0) {
+    PyErr_Clear();
+    return wrapped_fn; // disabled (wrapped_fn calls _init_fn), or not a set
+  }
+  return py::reinterpret_borrow<py::object>(fn);
+}
+
 // Would the dispatcher, at `ks`, find CustomOpDef's CompositeExplicitAutograd
 // kernel (if the op has one)?
 bool composite_serves(const c10::OperatorHandle& op, c10::DispatchKeySet ks) {
@@ -123,7 +201,7 @@ py::object direct_function(const OpState& state) {
     if (inner == nullptr) {
       PyErr_Clear();
     } else if (is_kernel_enabled_check(inner)) {
-      return py::reinterpret_steal<py::object>(inner);
+      return enabled_kernel(py::reinterpret_steal<py::object>(inner));
     } else {
       Py_DECREF(inner);
     }
@@ -238,6 +316,7 @@ void init_composite_call() {
   g_name = PyUnicode_InternFromString("__name__");
   g_wrapped_fn = PyUnicode_InternFromString("wrapped_fn");
   g_is_exporting_flag = PyUnicode_InternFromString("_is_exporting_flag");
+  g_disabled_kernel = PyUnicode_InternFromString("_disabled_kernel");
   try {
     py::object get_callback =
         py::module_::import("torch._C._dynamo.eval_frame").attr("get_eval_frame_callback");
