@@ -24,7 +24,9 @@
 //   check called, for torch's error (run_backend returns true for that);
 // - torch._disable_dynamo is skipped only when it would do nothing: no Dynamo
 //   frame callback is set on this thread and torch.export is not running.
-//   Otherwise the wrapper is called as torch calls it.
+//   Otherwise the wrapper is called as torch calls it;
+// - the set_kernel_enabled check is read inline (NOTE [The set_kernel_enabled
+//   check, inline]).
 // The one registration the dispatcher does not let us see is a Python
 // kernel that overrides CompositeExplicitAutograd by hand
 // (Library.impl(..., allow_override=True), which torch warns about); such an
