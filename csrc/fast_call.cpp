@@ -150,7 +150,9 @@ bool parse(const FastCall& f, PyObject* args, Parsed& p) {
         // Dense is the lowest functionality: being the highest, it is the only one.
         const auto ks = t.key_set();
         const auto below = ks - kAboveBackend;
-        p.plain = p.plain && !(grad_mode && t.requires_grad()) &&
+        // An inference tensor outside inference mode reaches torch's backend
+        // wrapper, not our Autograd kernel: the dispatcher's path.
+        p.plain = p.plain && !(grad_mode && t.requires_grad()) && !t.is_inference() &&
                   !torch::autograd::isFwGradDefined(t) && !below.empty() &&
                   below.highestFunctionalityKey() == c10::DispatchKey::Dense;
         p.keys = p.keys | ks;
@@ -334,7 +336,10 @@ namespace {
 // is_compiling there), inspect and help see it. Assigning __call__ on the
 // class or defining it in a subclass makes CPython put its own slot back,
 // which is only slower. _C._install_call_slot checks that the class's
-// tp_call is CPython's before replacing it.
+// tp_call is CPython's before replacing it. The slot does not ask
+// is_compiling as __call__ does: Dynamo never calls it (it inlines __call__),
+// and the graph tracers that set torch.compiler's flag eagerly (AOTAutograd,
+// non-strict export) pass fake or functional tensors, which fast_call declines.
 PyTypeObject* g_op_class = nullptr;
 ternaryfunc g_python_slot = nullptr; // CPython's slot_tp_call, kept for subclasses
 PyObject* g_ab = nullptr; // "_ab"

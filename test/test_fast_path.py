@@ -233,6 +233,12 @@ class TestDeclined(TestCase):
             out = self.assert_declined(f, x, y)
         self.assertTrue(out.is_inference())
 
+    def test_an_inference_tensor_outside_inference_mode(self):
+        with torch.inference_mode():
+            x, y = inputs()
+        out = self.assert_declined(f, x, y)
+        self.assertEqual(out, plain(x, y))
+
     def test_aliasing_output_raises_torchs_error_on_both_paths(self):
         x = torch.randn(3)
         with self.assertRaisesRegex(RuntimeError, "may not alias") as fast:
