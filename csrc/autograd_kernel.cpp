@@ -67,6 +67,9 @@ class AutogradKernel final : public c10::OperatorKernel {
       if (schema.is_mutable()) {
         pre_mutation.emplace(schema, saved_args);
       }
+    } else if (any_tangent && state_->jvp_reruns_forward.load()) {
+      // NOTE [A jvp that reruns the forward draws the primal's random numbers]
+      rng_before_primal.emplace(inputs);
     }
 
     // NOTE [Residuals of register_vjp]: open until setup_context has run.

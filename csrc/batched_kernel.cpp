@@ -159,6 +159,12 @@ class BatchedKernel final : public c10::OperatorKernel {
           /*batched_kernel=*/true); // NOTE [What the function closes over]
     }
     const bool attaches = !nothing_to_attach(*state_, grad_mode, inputs);
+    // NOTE [A jvp that reruns the forward draws the primal's random numbers]
+    std::optional<RngStates> rng_before_primal;
+    if (attaches && state_->jvp_reruns_forward.load() &&
+        c10::AutogradState::get_tls_state().get_fw_grad_mode()) {
+      rng_before_primal.emplace(inputs);
+    }
     // NOTE [Residuals of register_vjp]: open until the level walk's setup_context.
     ResidualRequest residuals(
         state_.get(), mode == VmapMode::Composite && state_->has_vjp.load() && attaches);
@@ -188,7 +194,7 @@ class BatchedKernel final : public c10::OperatorKernel {
     check_no_aliasing(*state_, schema, inputs, outputs, ret_slots);
     attach_grad_nodes(
         state_, schema, grad_mode, std::move(arg_slots), std::move(ret_slots), saved_args,
-        torch::jit::last(*stack, num_returns), inputs, outputs);
+        torch::jit::last(*stack, num_returns), inputs, outputs, rng_before_primal);
   }
 
   // NOTE [A forward vmap cannot batch runs per example]

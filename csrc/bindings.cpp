@@ -52,6 +52,11 @@ PYBIND11_MODULE(_C, m) {
           "set_has_jvp", [](tab::Registration& r, bool has) { r.state->has_jvp.store(has); },
           "Whether the op has a registered jvp (register_jvp).")
       .def(
+          "set_jvp_reruns_forward",
+          [](tab::Registration& r, bool reruns) { r.state->jvp_reruns_forward.store(reruns); },
+          "Whether the registered jvp's setup_context runs the forward again (a lifted legacy "
+          "autograd.Function), so it must draw the primal run's random numbers.")
+      .def(
           "set_has_vjp", [](tab::Registration& r, bool has) { r.state->has_vjp.store(has); },
           "Whether the op has a registered vjp (register_vjp).")
       .def(

@@ -94,6 +94,23 @@ void RngStates::restore() const {
   }
 }
 
+PrimalDraws::PrimalDraws(const std::optional<RngStates>& before) {
+  if (before) {
+    after_.emplace(before->current());
+    before->restore();
+  }
+}
+
+PrimalDraws::~PrimalDraws() {
+  if (after_) {
+    try {
+      after_->restore();
+    } catch (const std::exception&) {
+      // (a state read back from its own generator: set_state does not refuse it)
+    }
+  }
+}
+
 namespace {
 
 // As an in-place aten op sets its `self`'s tangent: an existing one is
@@ -334,24 +351,25 @@ std::vector<at::Tensor> output_tangents(
         py_tangents[a] = tangent_of(args[a]);
         needs[a] = py::bool_(any_requires_grad(args[a]));
       }
-      py::object result = call_method(
-          opdef, names.run_jvp,
-          {primals, to_py_tuple(returns, schema.returns()), py_tangents, needs});
+      py::object result;
+      {
+        // NOTE [A jvp that reruns the forward draws the primal's random numbers]
+        PrimalDraws draws(rng_before_primal);
+        result = call_method(
+            opdef, names.run_jvp,
+            {primals, to_py_tuple(returns, schema.returns()), py_tangents, needs});
+      }
       tangents = check_jvp_result(state, opdef, result, ret_slots, outputs);
     } else {
-      // NOTE [Derived tangents draw the primal's random numbers]
-      std::optional<RngStates> rng_after_primal;
-      if (rng_before_primal) {
-        rng_after_primal.emplace(rng_before_primal->current());
-        rng_before_primal->restore();
-      }
       // NOTE [The function gets its arguments as torch passes them], NOTE
       // [Derived tangents of a mutating op]
       const auto& run_args = pre_mutation ? pre_mutation->args() : args;
       const auto [call_args, call_kwargs] = to_py_call(run_args, schema.arguments());
-      py::tuple result = call_method(opdef, names.composite_tangents, {call_args, call_kwargs});
-      if (rng_after_primal) {
-        rng_after_primal->restore();
+      py::tuple result;
+      {
+        PrimalDraws draws(
+            rng_before_primal); // NOTE [Derived tangents draw the primal's random numbers]
+        result = call_method(opdef, names.composite_tangents, {call_args, call_kwargs});
       }
       for (size_t k = 0; k < outputs.size(); ++k) {
         if (!result[k].is_none()) {
@@ -393,9 +411,12 @@ std::vector<at::Tensor> call_jvp_batched(
     const std::vector<c10::IValue>& args,
     const std::vector<Slot>& arg_slots,
     c10::ArrayRef<c10::IValue> returns,
-    const std::vector<Slot>& ret_slots) {
+    const std::vector<Slot>& ret_slots,
+    const std::optional<RngStates>& rng_before_primal) {
   try {
     const py::object opdef = state.opdef();
+    // NOTE [A jvp that reruns the forward draws the primal's random numbers]
+    PrimalDraws draws(rng_before_primal);
     py::object result = call_method(
         opdef, py_names().run_jvp,
         {rebuild(primals, arg_slots, args, schema.arguments(), false),
@@ -420,7 +441,8 @@ void set_jvp_tangents_below_vmap(
     const std::vector<c10::IValue>& args,
     const std::vector<Slot>& arg_slots,
     c10::ArrayRef<c10::IValue> returns,
-    const std::vector<Slot>& ret_slots) {
+    const std::vector<Slot>& ret_slots,
+    const std::optional<RngStates>& rng_before_primal) {
   // A tensor of this level: a TensorWrapper of the Jvp level, or at the base
   // a plain tensor (a dual tensor of forward-mode AD).
   auto at_this_level = [&](const at::Tensor& t) {
@@ -453,7 +475,8 @@ void set_jvp_tangents_below_vmap(
     {
       py::gil_scoped_acquire gil;
       out_tangents = call_jvp_batched(
-          state, schema, in, primals, outs, tangents, args, arg_slots, returns, ret_slots);
+          state, schema, in, primals, outs, tangents, args, arg_slots, returns, ret_slots,
+          rng_before_primal);
     }
     levels.leave(out_tangents, &VmapFrame::out_bdims);
   }

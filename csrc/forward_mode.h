@@ -34,6 +34,28 @@ class RngStates {
   std::vector<std::pair<at::Generator, at::Tensor>> states_;
 };
 
+// NOTE [A jvp that reruns the forward draws the primal's random numbers]
+// A lifted legacy autograd.Function's jvp needs what its forward left on ctx,
+// so its setup_context runs the forward again (lift/_rules.py). A forward
+// that draws (a sampler's noise, saved for backward) must draw there what the
+// primal run drew, or the tangent belongs to other noise than the output:
+// silently wrong. As for derived tangents (NOTE above), the generators are
+// put back to their state before the primal run for setup_context and the
+// jvp, and to their state after it once they are done.
+
+// For its lifetime, the generators as `before` had them; then as they were
+// when it was made (on every exit). Nothing where `before` is empty.
+class PrimalDraws {
+ public:
+  explicit PrimalDraws(const std::optional<RngStates>& before);
+  ~PrimalDraws();
+  PrimalDraws(const PrimalDraws&) = delete;
+  PrimalDraws& operator=(const PrimalDraws&) = delete;
+
+ private:
+  std::optional<RngStates> after_;
+};
+
 // NOTE [Derived tangents of a mutating op]
 // Derived tangents run the op's function a second time (NOTE [Forward
 // mode]). For an op that mutates arguments that second run must not mutate
@@ -79,9 +101,10 @@ void set_output_tangents(
 // differentiable output's tangent, from the registered jvp or derived from
 // the op's function (the caller sets them: set_output_tangents). `args` are the op's arguments with their tangents;
 // `returns`/`outputs` the primal outputs (`ret_slots` maps one to the other).
-// `rng_before_primal`, `pre_mutation`: for derived tangents, the
-// generators' states and the mutated arguments before the primal run (the
-// caller then calls pre_mutation->copy_tangents_to).
+// `rng_before_primal`: the generators' states before the primal run, for
+// derived tangents and a jvp that reruns the forward; `pre_mutation`: for
+// derived tangents, the mutated arguments before the primal run (the caller
+// then calls pre_mutation->copy_tangents_to).
 // Requires the GIL.
 std::vector<at::Tensor> output_tangents(
     const OpState& state,
@@ -113,6 +136,7 @@ void set_jvp_tangents_below_vmap(
     const std::vector<c10::IValue>& args,
     const std::vector<Slot>& arg_slots,
     c10::ArrayRef<c10::IValue> returns,
-    const std::vector<Slot>& ret_slots);
+    const std::vector<Slot>& ret_slots,
+    const std::optional<RngStates>& rng_before_primal);
 
 } // namespace torch_autobatch

@@ -101,7 +101,8 @@ class LevelWalk {
       const std::vector<c10::IValue>& args,
       c10::ArrayRef<c10::IValue> returns,
       const std::vector<at::Tensor>& inputs,
-      const std::vector<at::Tensor>& outputs)
+      const std::vector<at::Tensor>& outputs,
+      const std::optional<RngStates>& rng_before_primal)
       : state_(state),
         schema_(schema),
         arg_slots_(std::move(arg_slots)),
@@ -117,6 +118,7 @@ class LevelWalk {
         out_(outputs),
         needs_(inputs.size(), false),
         mode_(grad_mode),
+        rng_before_primal_(rng_before_primal),
         log_{log_level_walk() ? std::make_unique<std::ostringstream>() : nullptr} {}
 
   void run() {
@@ -169,7 +171,8 @@ class LevelWalk {
         }
         if (state_->has_jvp.load()) {
           set_jvp_tangents_below_vmap(
-              *state_, schema_, id, in_, out_, frames_, args_, arg_slots_, returns_, ret_slots_);
+              *state_, schema_, id, in_, out_, frames_, args_, arg_slots_, returns_, ret_slots_,
+              rng_before_primal_);
         }
         break;
       default: // Functionalize: nothing to attach, look through it
@@ -208,8 +211,8 @@ class LevelWalk {
       // The base: tangents of forward-mode AD's dual tensors (fwAD.make_dual
       // around vmap(op)), NOTE [Forward mode under vmap].
       set_jvp_tangents_below_vmap(
-          *state_, schema_, kBaseLevel, in_, out_, frames_, args_, arg_slots_, returns_,
-          ret_slots_);
+          *state_, schema_, kBaseLevel, in_, out_, frames_, args_, arg_slots_, returns_, ret_slots_,
+          rng_before_primal_);
     }
     bool any = false;
     if (mode_) {
@@ -300,6 +303,8 @@ class LevelWalk {
   std::vector<at::Tensor> in_, out_; // at the level being visited
   std::vector<bool> needs_; // per input: requires grad at some attached level
   bool mode_; // the grad mode in force at the level being visited
+  // NOTE [A jvp that reruns the forward draws the primal's random numbers]
+  const std::optional<RngStates>& rng_before_primal_;
   std::vector<VmapFrame> frames_; // innermost first
   std::vector<Site> sites_;
   // The walk's log (NOTE [The level walk]); no stream is made when it is off.
@@ -359,7 +364,8 @@ void attach_grad_nodes(
     const std::vector<c10::IValue>& args,
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs) {
+    const std::vector<at::Tensor>& outputs,
+    const std::optional<RngStates>& rng_before_primal) {
   if (nothing_to_attach(*state, grad_mode, inputs)) {
     if (log_level_walk()) {
       std::cerr
@@ -370,7 +376,7 @@ void attach_grad_nodes(
   }
   LevelWalk(
       state, schema, grad_mode, std::move(arg_slots), std::move(ret_slots), args, returns, inputs,
-      outputs)
+      outputs, rng_before_primal)
       .run();
 }
 

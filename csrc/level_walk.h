@@ -3,7 +3,7 @@
 // every autograd level below (level_walk.cpp).
 #pragma once
 
-#include "op_state.h"
+#include "forward_mode.h"
 
 namespace torch_autobatch {
 
@@ -24,6 +24,7 @@ void attach_grad_nodes(
     const std::vector<c10::IValue>& args,
     c10::ArrayRef<c10::IValue> returns,
     const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs);
+    const std::vector<at::Tensor>& outputs,
+    const std::optional<RngStates>& rng_before_primal);
 
 } // namespace torch_autobatch

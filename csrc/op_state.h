@@ -44,6 +44,10 @@ struct OpState {
   std::atomic<VmapMode> vmap_mode{VmapMode::Composite};
   std::atomic<bool> has_jvp{false}; // register_jvp was called
   std::atomic<bool> has_vjp{false}; // register_vjp was called: NOTE [Residuals of register_vjp]
+  // The registered jvp's setup_context runs the forward again (a lifted
+  // legacy autograd.Function): NOTE [A jvp that reruns the forward draws the
+  // primal's random numbers] (forward_mode.h).
+  std::atomic<bool> jvp_reruns_forward{false};
   // The keys (metadata_key, vjp_residuals.cpp) of the arguments for which
   // fwd's output was checked: NOTE [fwd returns what the op returns] (op/_vjp_check.py).
   // Requires the GIL.

@@ -367,8 +367,9 @@ class _Kernel:
         if ctx.non_differentiable or not ctx.materialize_grads:
             # ctx's marks, applied by a hook in setup_context from the first call that makes any
             self.extras.vjp_setup_hook = _apply_marks
-        if len(ctx.__dict__) > 2:  # NOTE [Inputs inside ctx objects] (lift/_eager.py)
-            note_inputs_in_objects(ctx.__dict__, real)
+        kept = ctx.__dict__  # (needs_input_grad and, where forward saved tensors, to_save: no object)
+        if len(kept) > 2 or (len(kept) == 2 and "to_save" not in kept):  # NOTE [Inputs inside ctx objects]
+            note_inputs_in_objects(kept, real)
         if self.objects:  # the residuals keep the call's objects while fwd may run again
             constants = constants_of(args, self.objects)
             if constants is not None and constants.tracked:
@@ -438,6 +439,9 @@ def _define_overload(lifted: LiftedFunction, kinds: tuple[Any, ...], probe: _Pro
         else:
             jvp, jvp_setup_context = legacy_transposed_jvp(cls, backward, fwd, n_in)
             op.register_jvp(jvp, setup_context=jvp_setup_context)
+        # (either setup_context runs forward again: csrc/forward_mode.h, NOTE [A jvp that reruns the
+        # forward draws the primal's random numbers])
+        op._ab.registration.set_jvp_reruns_forward(True)
     if _defined_by_user(cls, "vmap"):
         rule = restoring_vmap_rule(cls.vmap, kinds)
         op.register_vmap(fresh_vmap_rule(rule, kernel.tensor_positions, kernel.tensor_lists))
