@@ -345,8 +345,11 @@ class TestOnceDifferentiable(TestCase):
         x = torch.randn(3, dtype=DT)
         with lifted(cls, how) as f:
             s = lambda x: f(x).sum()  # noqa: E731
-            # first derivatives hold: the class's (2x) backward
+            # first derivatives hold: the class's (2x) backward; forward mode is its matrix, evaluated on a
+            # basis of cotangents, never differentiated (NOTE [Forward mode on a basis])
             self.assertEqual(grad(s)(x), 6 * x**2)
+            self.assertEqual(jvp(f, (x,), (x,))[1], 6 * x**3)
+            self.assertEqual(jacfwd(f)(x), torch.diag(6 * x**2))
             self.assertEqual(vmap(grad(s))(torch.stack([x, 2 * x])), torch.stack([6 * x**2, 24 * x**2]))
             self.assertEqual(jacrev(f)(x), torch.diag(6 * x**2))
             paths = {
@@ -355,7 +358,7 @@ class TestOnceDifferentiable(TestCase):
                 "hessian": lambda: hessian(s)(x),
                 "jacfwd(jacrev)": lambda: jacfwd(jacrev(s))(x),
                 "vmap(hessian)": lambda: vmap(hessian(s))(torch.stack([x, x])),
-                "jvp": lambda: jvp(f, (x,), (x,)),
+                "jvp(jvp)": lambda: jvp(lambda x: jvp(f, (x,), (x,))[1], (x,), (x,)),
                 "compiled grad(grad)": lambda: torch.compile(grad(lambda x: grad(s)(x).sum()), backend="aot_eager")(x),
             }
             for path, run in paths.items():

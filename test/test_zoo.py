@@ -104,13 +104,17 @@ def table() -> str:
                 diff = re.search(r"Greatest absolute difference: (\S+)", out.message)
                 wrong[transform] = f"{TRANSFORM_TITLES[transform]} {float(diff.group(1)):.2g}" if diff else transform
                 text = "the value differs from the unlifted class's (largest absolute difference: {wrong})"
+            elif out.status == NOREF:
+                text = out.message
             else:
                 said = "Open (not done yet)" if is_open else "Judged impossible"
                 text = (f"{said}: {why.reason}. " if why is not None and ok else "") + f"`{_md(out.short(300))}`"
             if text not in row_notes:
                 notes.append(f"{len(notes) + 1}. `{case.name}`: {out.status}. {text}")
                 row_notes[text] = len(notes)
-            tag = {"CLEAR": "clear", "UNCLEAR": "**UNCLEAR**", "WRONG": "**WRONG**"}.get(out.status, out.status)
+            tag = {"CLEAR": "clear", "UNCLEAR": "**UNCLEAR**", "WRONG": "**WRONG**", NOREF: "no reference"}.get(
+                out.status, out.status
+            )
             worse_tag = " WORSE" if (case.name, transform) in worse else ""
             cells.append(f"{tag}{'' if ok else '!'}{worse_tag} [{row_notes[text]}]")
         if wrong:
@@ -129,7 +133,7 @@ def table() -> str:
         "Libraries: " + ", ".join(f"{lib} {v}" for lib, v in _versions().items()) + ".",
         "",
         f"**Totals**: {sum(counts.values())} cells; {referenced} with a reference (not N/A): "
-        f"PASS {ok} ({100 * ok / max(referenced, 1):.0f}%), clear {counts['CLEAR']} "
+        f"PASS {ok} ({100 * ok / max(referenced, 1):.1f}%), clear {counts['CLEAR']} "
         f"(of which judged impossible, as expected: {judged}; open, not done yet: {pinned}), unclear {counts['UNCLEAR']}, wrong {counts['WRONG']}, "
         f"worse than unlifted {len(worse)}; N/A (the library's own code) {counts[NA]}, no reference {counts[NOREF]}.",
         "",

@@ -76,6 +76,18 @@ class Expected:
 
 
 @dataclass(frozen=True)
+class ReferenceDiffers:
+    """A cell whose reference does not apply: the library's own code gives forward and reverse mode different values.
+
+    ``patch()``: a context manager under which the library's code gives both the same value; the cell is run
+    (reference and ours) under it and must PASS there, and is counted as having no reference.
+    """
+
+    reason: str
+    patch: Callable[[], Any]
+
+
+@dataclass(frozen=True)
 class Case:
     """One Function class of one library, reached through the library's public API."""
 
@@ -92,6 +104,7 @@ class Case:
     random: bool = False  # the call draws random numbers: every call is seeded, vmap uses randomness="same"
     expected: dict[str, Expected] = field(default_factory=dict)  # cells judged impossible: a clear error
     library_na: dict[str, Expected] = field(default_factory=dict)  # cells the library's own code cannot run
+    reference_differs: dict[str, ReferenceDiffers] = field(default_factory=dict)  # no reference (see the class)
     rtol: float = 1e-7
     atol: float = 1e-9
     fd_eps: float = 1e-6
@@ -412,6 +425,17 @@ def classify_error(case: Case, exc: BaseException, names: list[str]) -> Outcome:
 
 def run_cell(case: Case, transform: str, *, lifted: bool = True) -> Outcome:
     """The cell's status, lifted in place (``lifted=False``: torch's own ``apply``, for comparison)."""
+    differs = case.reference_differs.get(transform)
+    if differs is not None and lifted:
+        with differs.patch():
+            out = _run_cell(case, transform, lifted=True)
+        if out.status == PASS:
+            out.status, out.message = NOREF, f"No reference: {differs.reason}"
+        return out
+    return _run_cell(case, transform, lifted=lifted)
+
+
+def _run_cell(case: Case, transform: str, *, lifted: bool) -> Outcome:
     start = time.perf_counter()
     try:
         expected = reference(case, transform)
@@ -442,6 +466,8 @@ def cell_ok(case: Case, transform: str, out: Outcome) -> bool:
         return out.status == CLEAR and re.search(exp.regex, out.message) is not None
     if transform in case.library_na:
         return out.status in (NA, PASS)
+    if transform in case.reference_differs:
+        return out.status == NOREF
     return out.status == PASS
 
 
@@ -594,9 +620,11 @@ def _lower(n: int) -> torch.Tensor:
 
 
 _ONCE = Expected(
-    r"_OMTMVNSample.backward is decorated with @once_differentiable",
-    "the class's backward is `@once_differentiable`: forward mode (the transpose of the backward) and second"
-    " derivatives need to differentiate it",
+    r"_OMTMVNSample.backward is decorated with @once_differentiable|_OMTMVNSample.* draws random numbers, and its "
+    r"backward is being differentiated again",
+    "the class's backward is `@once_differentiable` (a second derivative must differentiate it), and its forward "
+    "draws the noise it saves, so a second derivative would differentiate other draws (forward mode evaluates the "
+    "backward on a basis, NOTE [Forward mode on a basis], and draws the primal's noise)",
 )
 
 case(
@@ -609,7 +637,7 @@ case(
     sample=lambda: (_r(3), _lower(3)),
     argnums=(0, 1),
     random=True,
-    expected={"hessian": _ONCE, "jvp": _ONCE, "jacfwd": _ONCE},
+    expected={"hessian": _ONCE},
 )
 
 
@@ -635,13 +663,13 @@ def _odeint_adjoint() -> Callable[..., torch.Tensor]:
 def _not_differentiable(cls: str, how: str) -> Expected:
     return Expected(
         rf"{cls}.backward is not differentiable by torch",
-        f"the class's backward {how}: torch.func cannot differentiate it, and forward mode (the transpose of the"
-        " backward, the class has no jvp staticmethod) and second derivatives need to",
+        f"the class's backward {how}: torch.func cannot differentiate it, and a second derivative must (forward"
+        " mode evaluates it on a basis of cotangents instead, NOTE [Forward mode on a basis])",
     )
 
 
-def _forward_mode_and_hessian(cls: str, how: str) -> dict[str, Expected]:
-    return dict.fromkeys(("hessian", "jvp", "jacfwd"), _not_differentiable(cls, how))
+def _hessian_of(cls: str, how: str) -> dict[str, Expected]:
+    return {"hessian": _not_differentiable(cls, how)}
 
 
 _AUTOGRAD = "runs autograd itself (torch.autograd.grad / .backward() under enable_grad, recompute-style)"
@@ -663,7 +691,7 @@ case(
     call='odeint_adjoint(func, y0, t, method="rk4", options={"step_size": 0.25})',
     setup=_odeint_adjoint,
     sample=lambda: (_r(3),),
-    expected=_forward_mode_and_hessian("OdeintAdjointMethod", _AUTOGRAD),
+    expected=_hessian_of("OdeintAdjointMethod", _AUTOGRAD),
     rtol=1e-6,
     atol=1e-8,
 )
@@ -677,6 +705,19 @@ def _odeint_dopri5() -> Callable[..., torch.Tensor]:
     return lambda y0: odeint(func, y0, t, method="dopri5", rtol=1e-6, atol=1e-8)
 
 
+@contextlib.contextmanager
+def _detached_step_size() -> Iterator[None]:
+    """torchdiffeq's step size computed from detached inputs: a constant for forward mode as for reverse mode."""
+    from torchdiffeq._impl import rk_common
+
+    original = rk_common._optimal_step_size
+    rk_common._optimal_step_size = lambda step, ratio, *rest: original(step.detach(), ratio.detach(), *rest)
+    try:
+        yield
+    finally:
+        rk_common._optimal_step_size = original
+
+
 case(
     name="_UncheckedAssign",
     lib="torchdiffeq",
@@ -686,14 +727,14 @@ case(
     setup=_odeint_dopri5,
     sample=lambda: (_r(3),),
     library_na={"vmap": _SOLUTION_BUFFER, "vmap_grad": _SOLUTION_BUFFER},
-    expected=dict.fromkeys(
-        ("hessian", "jvp", "jacfwd"),
-        Expected(
-            r"_StitchGradient: the class has no jvp staticmethod, .* returned None for input 1, which has a tangent",
-            "`_StitchGradient`'s backward returns None on purpose for the time it stitches to another input; "
-            "forward mode from the transposed backward cannot tell that zero from a skipped gradient (NOTE [A "
-            "backward that asks requires_grad]); evaluating the backward on a basis would",
-            open=True,
+    reference_differs=dict.fromkeys(
+        ("jvp", "jacfwd"),
+        ReferenceDiffers(
+            "torchdiffeq's step-size control (`_optimal_step_size`) runs under `@torch.no_grad()`, which "
+            "forward-mode AD does not stop: forward mode through `odeint` differentiates the step size, reverse "
+            "mode (the reference) does not, and the two differ by ~2e-7 here whatever the classes do. With the "
+            "step size's inputs detached (the test runs the cell so) the cell PASSes",
+            _detached_step_size,
         ),
     ),
     rtol=1e-6,
@@ -760,14 +801,14 @@ def _flash(cosine: bool) -> Callable[[], Callable[..., torch.Tensor]]:
     return setup
 
 
-_NO_GRAD_BACKWARD = dict.fromkeys(
-    ("hessian", "jvp", "jacfwd"),
-    Expected(
-        r"FlashAttentionFunction(\.backward|: the class has no jvp staticmethod)",
-        "the class's backward runs under `@torch.no_grad()` and accumulates in place: forward mode (its transpose)"
-        " and second derivatives need to differentiate it",
+_NO_GRAD_BACKWARD = {
+    "hessian": Expected(
+        r"FlashAttentionFunction.backward is not differentiable by torch",
+        "the class's backward runs under `@torch.no_grad()` and accumulates in place: a second derivative must"
+        " differentiate it (forward mode evaluates it on a basis of cotangents instead, NOTE [Forward mode on a"
+        " basis])",
     ),
-)
+}
 
 case(
     name="FlashAttentionFunction",
@@ -813,7 +854,7 @@ case(
     call="ReversibleSequence([(f, g), (f2, g2)])(x)",
     setup=_reversible,
     sample=lambda: (_r(1, 3, 2),),
-    expected=_forward_mode_and_hessian("_ReversibleFunction", _AUTOGRAD),
+    expected=_hessian_of("_ReversibleFunction", _AUTOGRAD),
 )
 
 
@@ -941,15 +982,15 @@ def _linop(method: str) -> Callable[[], Callable[..., torch.Tensor]]:
 
 
 def _linop_open(cls: str) -> dict[str, Expected]:
-    forward_mode = Expected(
-        rf"{cls}: the class has no jvp staticmethod, .* returned None for input|{cls}.backward is not differentiable"
-        rf"|{cls}.backward returned None for an input that needs a gradient",
-        "the backward returns a gradient only for the operator's tensors that report requires_grad; forward mode "
-        "(its transpose) and second derivatives run it on tensors that do not (NOTE [A backward that asks "
-        "requires_grad]); evaluating the backward on a basis would give forward mode",
-        open=True,
-    )
-    out = dict.fromkeys(("hessian", "jvp", "jacfwd"), forward_mode)
+    out = {
+        "hessian": Expected(
+            rf"{cls}.backward is not differentiable|{cls}.backward returned None for an input that needs a gradient",
+            "the backward returns a gradient only for the operator's tensors that report requires_grad, and a "
+            "second derivative runs it on tensors that do not (NOTE [A backward that asks requires_grad]; forward "
+            "mode runs it as eager mode does instead, NOTE [Forward mode on a basis])",
+            open=True,
+        )
+    }
     if cls != "Matmul":
         out["vmap_grad"] = Expected(
             r"returned a Python value \(AddedDiagLinearOperator\) that differs between the examples of a vmap",
@@ -982,5 +1023,5 @@ for _cls, _method, _call in (
         argnums=(0, 1, 2),
         rtol=1e-6,
         atol=1e-8,
-        expected=_forward_mode_and_hessian(_cls, _AUTOGRAD) if _cls == "PivotedCholesky" else _linop_open(_cls),
+        expected=_hessian_of(_cls, _AUTOGRAD) if _cls == "PivotedCholesky" else _linop_open(_cls),
     )

@@ -183,6 +183,7 @@ def run_as_eager(
     what: str,
     error: Optional[BaseException] = None,
     own_may_differentiate: bool = False,
+    transposing: bool = False,
 ) -> Any:
     """``fn(ctx, *args)`` run as eager mode runs it (NOTE above), after it raised ``error`` under torch.func.
 
@@ -193,6 +194,10 @@ def run_as_eager(
     level is involved (eager mode's own path ran) or where the rerun fails
     too, and a clear error where the result is differentiated again; with
     none (:func:`level_exited`), returns :data:`NOT_RUN` there.
+    ``transposing``: a backward evaluated for forward mode (NOTE [Forward
+    mode on a basis], lift/_transpose.py) runs so even where no level is
+    involved, and every floating saved tensor requires grad (each input has a
+    tangent, so eager mode's would).
     """
     saved, attributes, needs, for_forward = ctx_parts(ctx)
     tree = (saved, attributes, args)
@@ -200,6 +205,8 @@ def run_as_eager(
     stack = _functorch.get_interpreter_stack() or ()
     own_live = any(i.level() == own and i.key() in _AD for i in stack)
     how = _how(leaves, own, own_live, {i.level() for i in stack}, own_may_differentiate)
+    if transposing and how == _EAGER:
+        how = _ONCE
     if how not in (_ONCE, _GUARDED):
         if error is None:
             return NOT_RUN
@@ -207,7 +214,10 @@ def run_as_eager(
             raise error
         raise not_differentiable(what, error) from error
     n_ctx = len(pytree.tree_leaves((saved, attributes)))
-    mask = [i < n_ctx and _requires_grad(t, own, own_live) for i, t in enumerate(leaves)]
+    mask = [
+        i < n_ctx and (_requires_grad(t, own, own_live) or (transposing and _is_floating(t)))
+        for i, t in enumerate(leaves)
+    ]
 
     def run(flat: list[Any]) -> Any:  # (one example's leaves of tree)
         popped = Popped()  # NOTE [Popping levels, interruptibly]
@@ -339,6 +349,10 @@ def _inputs_requiring_grad(attributes: dict[str, Any], needs: tuple[bool, ...]) 
         if _is_object(value):
             _walk(value, 4, seen, swap)
     return undo
+
+
+def _is_floating(t: Any) -> bool:
+    return isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def _fresh(t: Any, requires_grad: bool) -> Any:

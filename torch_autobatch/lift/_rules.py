@@ -300,8 +300,13 @@ def _mark_as_forward_did(ctx: Any, output: Any, residuals: Residuals) -> None:
 # that is not the backward's own, or a forward-mode dual tangent (both an
 # error now, naming the class: torch.func has no lazy error node, and a jvp
 # level's derivative is taken as the backward runs). vmap levels batch, they
-# do not differentiate. Forward mode derived from such a backward (NOTE
-# [Forward mode of a lifted class is its backward's transpose], lift/_transpose.py) is refused too.
+# do not differentiate. Forward mode is its matrix, evaluated one basis
+# cotangent at a time and never differentiated (NOTE [Forward mode on a
+# basis], lift/_transpose.py). A backward decorated with ``@torch.no_grad()``
+# declares the same (its result has no derivative: eager double backward
+# raises) and is held to it the same way; else reverse mode over it would be
+# silently zero (jacrev(jacrev)) where forward mode over it, which no_grad does
+# not stop, is not (hessian).
 class OnceDifferentiableError(RuntimeError):
     """A second derivative through a lifted class whose backward is ``@once_differentiable``."""
 
@@ -314,11 +319,28 @@ def is_once_differentiable(fn: Any) -> bool:
     return getattr(fn, "__code__", None) is _ONCE_CODE and hasattr(fn, "__wrapped__")
 
 
-def _once_message(cls: FunctionClass, how: str) -> str:
+def runs_under_no_grad(fn: Any) -> bool:
+    """Is ``fn`` decorated with ``@torch.no_grad()`` (torch's context decorator, holding its no_grad)?"""
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not closure or not hasattr(fn, "__wrapped__"):
+        return False
+    for name, cell in zip(code.co_freevars, closure):
+        if name == "ctx_factory":
+            return isinstance(getattr(cell.cell_contents, "__self__", None), torch.no_grad)
+    return False
+
+
+def declares_no_derivative(fn: Any) -> bool:
+    """``@once_differentiable`` or ``@torch.no_grad()``: the backward's result has no derivative (NOTE above)."""
+    return is_once_differentiable(fn) or runs_under_no_grad(fn)
+
+
+def _once_message(cls: FunctionClass, how: str, backward: Any = None) -> str:
+    decorator = "@torch.no_grad()" if backward is not None and runs_under_no_grad(backward) else "@once_differentiable"
     return (
-        f"torch_autobatch: {cls.__qualname__}.backward is decorated with @once_differentiable, so its "
+        f"torch_autobatch: {cls.__qualname__}.backward is decorated with {decorator}, so its "
         f"result cannot be differentiated, and {how}. Take first derivatives only (grad, vjp, jacrev, "
-        f"vmap(grad), one .backward()), or remove @once_differentiable from a backward made of "
+        f"vmap(grad), one .backward()), or remove {decorator} from a backward made of "
         f"differentiable torch ops."
     )
 
@@ -361,7 +383,7 @@ def _tracked(leaves: list[Any]) -> tuple[str, list[_Tensor]]:
 
 def once_checked(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any]:
     """``backward``, with a ``@once_differentiable`` declaration enforced on every path (NOTE above)."""
-    return _once(backward, cls) if is_once_differentiable(backward) else backward
+    return _once(backward, cls) if declares_no_derivative(backward) else backward
 
 
 def _once(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any]:
@@ -376,7 +398,7 @@ def _once(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any
         received = [*ctx.saved_tensors, *(v for v in vars(ctx).values() if isinstance(v, _Tensor)), *grads]
         how, tracked = _tracked(received)
         if how == "level":
-            raise OnceDifferentiableError(_once_message(cls, _SECOND))
+            raise OnceDifferentiableError(_once_message(cls, _SECOND, backward))
         if how != "base":
             return out
         # torch's DelayedError node, fed by what is differentiated too (torch's own feeds it fresh
@@ -384,7 +406,9 @@ def _once(backward: Callable[..., Any], cls: FunctionClass) -> Callable[..., Any
         # and when, that derivative is taken
         outs = out if isinstance(out, tuple) else (out,)
         present = [k for k, o in enumerate(outs) if isinstance(o, _Tensor)]
-        error = torch._C._functions.DelayedError(_once_message(cls, _SECOND).encode(), len(present) + len(tracked))
+        error = torch._C._functions.DelayedError(
+            _once_message(cls, _SECOND, backward).encode(), len(present) + len(tracked)
+        )
         fed = error(*[outs[k].detach().requires_grad_() for k in present], *tracked)
         fed = fed if isinstance(fed, tuple) else (fed,)
         result = list(outs)

@@ -7,21 +7,26 @@ module gives that op a jvp where the class has none.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
+from ._ctx import _only_saved, _ReplayCtx, _unpack
+from ._eager import NOT_RUN, ctx_parts, run_as_eager
 from ._kinds import restoring_setup_context
 from ._rules import (
     FunctionClass,
     OnceDifferentiableError,
+    _count,
     _counted,
     _forward_below_this_level,
     _legacy_backward,
     _mark_as_forward_did,
     _once_message,
+    _refuse_skipped,
     backward_as_eager,
-    is_once_differentiable,
+    declares_no_derivative,
     once_checked,
 )
 
@@ -53,6 +58,120 @@ class _SkippedGradient(RuntimeError):
     """A transposed backward returned None for an input with a tangent (NOTE [A backward that asks requires_grad])."""
 
 
+# NOTE [Forward mode on a basis]
+# Where the backward cannot be differentiated with respect to its cotangent
+# (``@once_differentiable``; it runs under no_grad, leaves torch, or runs
+# autograd itself on detached copies; it returns None for an input because a
+# tensor does not report requires_grad), its transpose is still its matrix:
+# J's row i is the backward of the i-th basis cotangent, so J t is one
+# backward per output element, each only evaluated, never differentiated.
+# They run as eager .backward() runs the backward (NOTE [A backward
+# torch.func cannot run runs as eager .backward() runs it], lift/_eager.py):
+# no level on the stack, saved tensors requiring grad, once per example
+# where a vmap batches them; a None gradient is then the backward's own zero
+# (unless ctx keeps an object holding tensors). That is sound only where
+# nothing differentiates J again: where a live level tracks a residual
+# (jvp(jvp), a forward-mode level outside), the rows are not evaluated and the
+# first error stands. A second derivative through such a backward (hessian)
+# is still refused where the backward itself runs: forward mode is given,
+# the backward's own derivative is not invented. Real floating outputs and
+# inputs only; the cost is one backward per output element, a loop of
+# .backward() as jacrev by hand would be.
+Rows = Callable[[Callable[..., Any], tuple[Any, ...]], Any]
+
+
+def _below_grad_wrappers(t: _Tensor) -> _Tensor:
+    """An output as the levels below forward mode's see it (only its shape, per example, is read)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t) and not functorch.is_batchedtensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def _below_this_level(ctx: Any) -> _ReplayCtx:
+    """A new-style jvp's ctx as the levels below its own see it: what setup_context saved is the jvp's constant.
+
+    (A tensor tracked by a level outside stays wrapped there, so the basis is refused where it is differentiated.)
+    """
+    functorch = torch._C._functorch
+    top = functorch.peek_interpreter_stack()
+    saved, attributes, needs, _ = ctx_parts(ctx)
+    if top is None:
+        return _ReplayCtx(saved, attributes, needs)
+    level = top.level()
+
+    def peel(t: _Tensor) -> _Tensor:
+        while (
+            functorch.is_functorch_wrapped_tensor(t)
+            and not functorch.is_batchedtensor(t)
+            and functorch.maybe_get_level(t) >= level
+        ):
+            t = functorch.get_unwrapped(t)
+        return t
+
+    saved, attributes = pytree.tree_map_only(_Tensor, peel, (saved, attributes))
+    return _ReplayCtx(saved, attributes, needs)
+
+
+def _stacked(column: list[Any]) -> Any:
+    """One input's gradients for each basis cotangent, stacked (a None is the backward's zero); None if all are."""
+    like = next((g for g in column if g is not None), None)
+    if like is None:
+        return None
+    return torch.stack([torch.zeros_like(like) if g is None else g for g in column])
+
+
+def _on_a_basis(
+    rows: Rows,
+    outputs: tuple[Any, ...],
+    where: list[int],
+    tangents: tuple[Any, ...],
+    fixed: Callable[[int, Any], Any],
+) -> Any:
+    """J t from the backward evaluated on a basis of cotangents (NOTE above); None where it cannot be."""
+    if any(not _is_float(outputs[k]) or outputs[k].is_complex() for k in where) or any(
+        isinstance(t, _Tensor) and t.is_complex() for t in tangents
+    ):
+        return None
+
+    def evaluate(backward: Callable[..., Any], *outs: Any) -> tuple[Any, ...]:  # (one example's outputs)
+        per_input: list[list[Any]] = [[] for _ in tangents]
+        for k in where:
+            n = outs[k].numel()
+            for i in range(n):
+                full = [fixed(m, o) for m, o in enumerate(outs)]
+                e = torch.zeros(n, dtype=outs[k].dtype, device=outs[k].device)
+                e[i] = 1
+                full[k] = e.reshape(outs[k].shape)
+                grads = backward(*full)
+                grads = grads if isinstance(grads, tuple) else (grads,)
+                for m, t in enumerate(tangents):
+                    if isinstance(t, _Tensor):
+                        g = grads[m] if m < len(grads) else None
+                        per_input[m].append(g)
+        return tuple(_stacked(column) for column in per_input)
+
+    matrices = rows(evaluate, tuple(_below_grad_wrappers(o) if isinstance(o, _Tensor) else o for o in outputs))
+    if matrices is None:
+        return None
+    total: Any = None
+    for matrix, t in zip(matrices, tangents):
+        if matrix is not None and isinstance(t, _Tensor):
+            # (a gradient broadcast beyond its input's shape is summed to it, as the engine does)
+            n = matrix.shape[0]
+            rows_of = matrix.movedim(0, -1).sum_to_size(*t.shape, n).movedim(-1, 0).reshape(n, -1)
+            part = rows_of @ t.reshape(-1).to(matrix.dtype)
+            total = part if total is None else total + part
+    out: list[Any] = [None] * len(outputs)
+    offset = 0
+    for k in where:
+        n = outputs[k].numel()
+        piece = torch.zeros_like(outputs[k]) if total is None else total[offset : offset + n].reshape(outputs[k].shape)
+        out[k] = piece.to(outputs[k].dtype)
+        offset += n
+    return tuple(out)
+
+
 def transpose_backward(
     cls: FunctionClass,
     pullback: Callable[..., Any],
@@ -60,14 +179,29 @@ def transpose_backward(
     tangents: tuple[Any, ...],
     non_differentiable: tuple[bool, ...],
     materialize: bool,
+    rows: Rows,
+    once: Optional[Callable[..., Any]] = None,
 ) -> tuple[Any, ...]:
-    """Output tangents J t from ``pullback(*output_cotangents)`` (the class's backward): its transpose."""
+    """Output tangents J t from ``pullback(*output_cotangents)`` (the class's backward): its transpose.
+
+    ``rows(evaluate, outputs)`` runs ``evaluate(backward, *outputs)`` as
+    eager mode runs the backward, or returns None where it cannot (NOTE
+    [Forward mode on a basis]); ``once``: the backward, where it declares
+    its result has no derivative (:func:`declares_no_derivative`), so only
+    that is tried.
+    """
     where = [k for k, o in enumerate(outputs) if _is_float(o) and not non_differentiable[k]]
     if not where or all(t is None for t in tangents):
         return tuple(None for _ in outputs)
 
     def fixed(k: int, o: Any) -> Any:
         return torch.zeros_like(o) if materialize and isinstance(o, _Tensor) else None
+
+    if once is not None:
+        got = _on_a_basis(rows, outputs, where, tangents, fixed)
+        if got is None:
+            _refuse_once(cls, once)
+        return got
 
     def inner(*gs: Any) -> _Tensor:
         full = [fixed(k, o) for k, o in enumerate(outputs)]
@@ -104,10 +238,16 @@ def transpose_backward(
     try:
         got = torch.func.grad(inner, argnums=tuple(range(len(where))))(*seeds)
     except (OnceDifferentiableError, _SkippedGradient):
-        raise
+        on_basis = _on_a_basis(rows, outputs, where, tangents, fixed)  # NOTE [Forward mode on a basis]
+        if on_basis is None:
+            raise
+        return on_basis
     except (RuntimeError, NotImplementedError, TypeError) as e:
         if type(e) not in (RuntimeError, NotImplementedError, TypeError):
             raise  # a user's own exception (a subclass) goes on unchanged; torch's are these types
+        on_basis = _on_a_basis(rows, outputs, where, tangents, fixed)  # NOTE [Forward mode on a basis]
+        if on_basis is not None:
+            return on_basis
         raise type(e)(
             f"{e}\ntorch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
             f"staticmethod, so its forward mode is the transpose of its backward, which needs the "
@@ -121,19 +261,45 @@ def transpose_backward(
     return tuple(out)
 
 
+def _eager_rows(backward: Callable[..., Any], cls: FunctionClass, n_in: int, ctx: Any) -> Rows:
+    """``rows`` for :func:`transpose_backward`: the class's own ``backward`` on ``ctx``, run as eager mode runs it."""
+    what = f"{cls.__qualname__}.backward"
+
+    def rows(evaluate: Callable[..., Any], outs: tuple[Any, ...]) -> Any:
+        def on(replay: Any, *outs: Any) -> Any:
+            def call(*gs: Any) -> Any:
+                grads = _count(backward(replay, *gs), n_in, cls)
+                _refuse_skipped(grads, replay, what)
+                return grads
+
+            return evaluate(call, *outs)
+
+        try:
+            got = run_as_eager(on, ctx, outs, None, what, transposing=True)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            if type(e) not in (RuntimeError, NotImplementedError, TypeError):
+                raise  # (a user's own exception, our own refusals: unchanged)
+            return None  # (the transpose's first error stands)
+        return None if got is NOT_RUN else got
+
+    return rows
+
+
 def _marked(ctx: Any, outs: tuple[Any, ...]) -> tuple[bool, ...]:
     """Per output: did ``ctx.mark_non_differentiable`` name it?"""
     marked = ctx.non_differentiable or ()
     return tuple(any(o is m for m in marked) for o in outs)
 
 
-def _refuse_once(cls: FunctionClass) -> None:
+def _refuse_once(cls: FunctionClass, backward: Callable[..., Any]) -> None:
     raise OnceDifferentiableError(
         _once_message(
             cls,
-            "forward-mode AD (jvp, jacfwd, hessian) of a class with no jvp staticmethod is the transpose of "
-            "its backward, which differentiates it. Give the class a jvp staticmethod (jvp(ctx, *input_tangents)) "
-            "for forward mode",
+            "forward-mode AD of a class with no jvp staticmethod evaluates that backward on a basis of "
+            "cotangents (NOTE [Forward mode on a basis]), which cannot be done here: a complex output or "
+            "tangent, or a result differentiated again (jvp(jvp), a forward-mode level outside). Give the "
+            "class a jvp staticmethod (jvp(ctx, *input_tangents)) for that",
+            backward,
         )
     )
 
@@ -142,12 +308,10 @@ def legacy_transposed_jvp(
     cls: FunctionClass, backward: Callable[..., Any], fwd: Callable[..., Any], n_in: int
 ) -> tuple[Callable[..., Any], Callable[..., None]]:
     """register_jvp's (jvp, setup_context) for a legacy class with no jvp: its backward, transposed."""
-    once = is_once_differentiable(backward)
+    once = backward if declares_no_derivative(backward) else None
     bwd = _legacy_backward(backward, n_in, cls)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        if once:
-            _refuse_once(cls)
         # (forward mode only: reverse mode never pays this second forward)
         residuals = _forward_below_this_level(fwd, inputs)
         _mark_as_forward_did(ctx, output, residuals)
@@ -157,6 +321,10 @@ def legacy_transposed_jvp(
     def jvp(ctx: Any, *tangents: Any) -> Any:
         residuals, outs, materialize = ctx.transposed
         needs = tuple(isinstance(t, _Tensor) for t in tangents)
+        saved = _only_saved(residuals)  # NOTE [A lifted Function's residuals are flat]
+        attributes: dict[str, Any] = {}
+        if saved is None:
+            saved, _, attributes = _unpack(residuals)
         result = transpose_backward(
             cls,
             lambda *gs: bwd(residuals, *gs, needs_input_grad=needs),
@@ -164,6 +332,8 @@ def legacy_transposed_jvp(
             tangents,
             _marked(ctx, outs),
             materialize,
+            _eager_rows(backward, cls, n_in, _ReplayCtx(saved, attributes, needs)),
+            once,
         )
         return result if len(outs) > 1 else result[0]
 
@@ -175,13 +345,11 @@ def new_style_transposed_jvp(
     cls: FunctionClass, backward: Callable[..., Any], n_in: int, kinds: tuple[Any, ...]
 ) -> tuple[Callable[..., Any], Callable[..., None]]:
     """register_jvp's (jvp, setup_context) for a class with setup_context and no jvp: its backward, transposed."""
-    once = is_once_differentiable(backward)
+    once = backward if declares_no_derivative(backward) else None
     counted = _counted(backward_as_eager(once_checked(backward, cls), f"{cls.__qualname__}.backward"), n_in)
     user_setup = restoring_setup_context(cls.setup_context, kinds)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        if once:
-            _refuse_once(cls)
         user_setup(ctx, inputs, output)
         ctx.transposed_outputs = output if isinstance(output, tuple) else (output,)
 
@@ -189,7 +357,14 @@ def new_style_transposed_jvp(
         outs = ctx.transposed_outputs
         ctx.needs_input_grad = tuple(isinstance(t, _Tensor) for t in tangents)
         result = transpose_backward(
-            cls, lambda *gs: counted(ctx, *gs), outs, tangents, _marked(ctx, outs), ctx.materialize_grads
+            cls,
+            lambda *gs: counted(ctx, *gs),
+            outs,
+            tangents,
+            _marked(ctx, outs),
+            ctx.materialize_grads,
+            _eager_rows(backward, cls, n_in, _below_this_level(ctx)),
+            once,
         )
         return result if len(outs) > 1 else result[0]
 

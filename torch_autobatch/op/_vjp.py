@@ -205,6 +205,9 @@ def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
             # NOTE [A forward vmap cannot batch runs per example]: fwd fails on batched tensors as the
             # function did; once per example, its residuals keep their history at the base
             loops = op._ab.loop_on_failure or op._ab.vmap_loop  # NOTE [fwd per example under vmap="loop"]
+            if type(e) is RuntimeError and str(e).startswith(_DREW_IN_ERROR_MODE):
+                # (under a vmap with randomness="error": jacrev's own, inside hessian)
+                raise _draws_again(op) from e
             if not loops or type(e) not in (RuntimeError, NotImplementedError) or "randomness" in str(e):
                 raise
             residuals = _residuals_per_example(op, positional, kwargs)
@@ -212,14 +215,21 @@ def _residuals_with_history(op: CustomOpDef, inputs: tuple[Any, ...]) -> Any:
         # NOTE [Second derivatives through residuals]: the rerun is fwd's forward again; one that
         # drew random numbers differentiates other draws than the forward's (a silent wrong value)
         before.restore()
-        raise RuntimeError(
-            f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) draws random numbers, and its "
-            f"backward is being differentiated again (create_graph=True, grad(grad), hessian, jacrev(jacrev)), "
-            f"which runs fwd again to give its residuals their history: it would draw other numbers than "
-            f"the forward did, and the derivative would belong to them. Draw the random numbers outside the "
-            f"op and pass them to it as an argument, or take first derivatives only."
-        )
+        raise _draws_again(op)
     return residuals
+
+
+_DREW_IN_ERROR_MODE = "vmap: called random operation while in randomness error mode"
+
+
+def _draws_again(op: CustomOpDef) -> RuntimeError:
+    return RuntimeError(
+        f"torch_autobatch: the fwd of {op._qualname} ({fwd_name(op)}) draws random numbers, and its "
+        f"backward is being differentiated again (create_graph=True, grad(grad), hessian, jacrev(jacrev)), "
+        f"which runs fwd again to give its residuals their history: it would draw other numbers than "
+        f"the forward did, and the derivative would belong to them. Draw the random numbers outside the "
+        f"op and pass them to it as an argument, or take first derivatives only."
+    )
 
 
 def register(op: CustomOpDef, fwd: Callable[..., Any], bwd: Callable[..., Any]) -> None:
