@@ -29,7 +29,7 @@ import torch
 from oracles import unique_op_name, vmap_loop
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
-from torch.func import hessian, jacfwd, jacrev, jvp, vmap
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 from torch.testing._internal.common_utils import TestCase, instantiate_parametrized_tests, parametrize
 
 import torch_autobatch
@@ -197,7 +197,8 @@ class TestForwardModeOnABasis(TestCase):
     @parametrize("name", list(OPAQUE))
     def test_differentiated_again_is_an_error_naming_the_class(self, name):
         # The rows are evaluated, never differentiated: a second derivative through the backward (or of the
-        # rows, jvp(jvp)) is refused, never zeros.
+        # rows, jvp(jvp)) is refused, never zeros. (A @torch.no_grad() backward declares that as
+        # @once_differentiable does: jacrev(jacrev) through it was silently zero, hessian was not.)
         cls = OPAQUE[name]
         x, w = _sample()
         with lifted(cls, "from_function") as f:
@@ -205,6 +206,8 @@ class TestForwardModeOnABasis(TestCase):
             for again in (
                 lambda: hessian(s)(x),
                 lambda: jacfwd(jacrev(s))(x),
+                lambda: jacrev(jacrev(s))(x),
+                lambda: grad(lambda x: grad(s)(x).sum())(x),
                 lambda: jvp(lambda x: jvp(lambda x: f(x, w), (x,), (x,))[1], (x,), (x,)),
             ):
                 with self.assertRaisesRegex(RuntimeError, cls.__name__):

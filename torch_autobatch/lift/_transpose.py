@@ -172,6 +172,29 @@ def _on_a_basis(
     return tuple(out)
 
 
+def _check_transposable(cls: FunctionClass, grads: tuple[Any, ...], tangents: tuple[Any, ...]) -> None:
+    """Raises _SkippedGradient where a gradient does not depend on its cotangent as torch sees it, or is None."""
+    for i, (g, t) in enumerate(zip(grads, tangents)):
+        if isinstance(g, _Tensor) and isinstance(t, _Tensor) and not g.requires_grad:
+            raise _SkippedGradient(
+                f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
+                f"staticmethod, so its forward mode is the transpose of its backward, and the backward's "
+                f"gradient for input {i} does not depend on its cotangent as torch sees it (it ran under "
+                f"no_grad, or on detached tensors): the transpose would be a silent zero. Give "
+                f"{cls.__qualname__} a jvp staticmethod (jvp(ctx, *input_tangents)), or compute the backward "
+                f"with grad mode on."
+            )
+        if g is None and isinstance(t, _Tensor):  # NOTE [A backward that asks requires_grad] (lift/_rules.py)
+            raise _SkippedGradient(
+                f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
+                f"staticmethod, so its forward mode is the transpose of its backward, and the backward "
+                f"returned None for input {i}, which has a tangent. That may be a zero derivative, or a "
+                f"backward that skips the gradient of a tensor that does not report requires_grad (tensors "
+                f"inside a transform may not): a silent zero is not given. Give {cls.__qualname__} a jvp "
+                f"staticmethod (jvp(ctx, *input_tangents)), or have its backward return a zero gradient."
+            )
+
+
 def transpose_backward(
     cls: FunctionClass,
     pullback: Callable[..., Any],
@@ -209,25 +232,7 @@ def transpose_backward(
             full[k] = g
         grads = pullback(*full)
         grads = grads if isinstance(grads, tuple) else (grads,)
-        for i, (g, t) in enumerate(zip(grads, tangents)):
-            if isinstance(g, _Tensor) and isinstance(t, _Tensor) and not g.requires_grad:
-                raise _SkippedGradient(
-                    f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
-                    f"staticmethod, so its forward mode is the transpose of its backward, and the backward's "
-                    f"gradient for input {i} does not depend on its cotangent as torch sees it (it ran under "
-                    f"no_grad, or on detached tensors): the transpose would be a silent zero. Give "
-                    f"{cls.__qualname__} a jvp staticmethod (jvp(ctx, *input_tangents)), or compute the backward "
-                    f"with grad mode on."
-                )
-            if g is None and isinstance(t, _Tensor):  # NOTE [A backward that asks requires_grad] (lift/_rules.py)
-                raise _SkippedGradient(
-                    f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp "
-                    f"staticmethod, so its forward mode is the transpose of its backward, and the backward "
-                    f"returned None for input {i}, which has a tangent. That may be a zero derivative, or a "
-                    f"backward that skips the gradient of a tensor that does not report requires_grad (tensors "
-                    f"inside a transform may not): a silent zero is not given. Give {cls.__qualname__} a jvp "
-                    f"staticmethod (jvp(ctx, *input_tangents)), or have its backward return a zero gradient."
-                )
+        _check_transposable(cls, grads, tangents)
         total = gs[0].real.sum() * 0 if gs[0].is_complex() else gs[0].sum() * 0
         for g, t in zip(grads, tangents):
             if isinstance(g, _Tensor) and isinstance(t, _Tensor):
