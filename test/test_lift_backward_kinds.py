@@ -382,11 +382,13 @@ class TestBackwardsThatAskRequiresGrad(TestCase):
                 got = vmap(grad(lambda w: GatedScale.apply(x, w).sum()))(ws)
                 self.assertEqual(got, torch.stack([want, want]))
 
-    def test_forward_mode_through_a_skipped_gradient_is_an_error_naming_the_class(self):
+    def test_forward_mode_through_a_skipped_gradient_is_the_eager_backward_s(self):
+        # NOTE [Forward mode on a basis]: the backward run as eager mode runs it, its saved tensors requiring
+        # grad, so the gradient is not skipped (it was an error; zeros would have been wrong)
         x, w = _r(3), _r(3)
         with lifted_in_place(GatedScale):
-            with self.assertRaisesRegex(RuntimeError, r"GatedScale: .* returned None for input 1, which has a tangent"):
-                jacfwd(lambda w: GatedScale.apply(x, w))(w)
+            self.assertEqual(jacfwd(lambda w: GatedScale.apply(x, w))(w), torch.diag(2 * x))
+            self.assertEqual(jvp(lambda w: GatedScale.apply(x, w), (w,), (x,))[1], 2 * x * x)
 
     @parametrize("transform", ["grad", "vjp", "jacrev"])
     def test_an_input_inside_a_ctx_object_requires_grad_as_in_eager_mode(self, transform):
@@ -456,14 +458,23 @@ class TestABackwardUnderNoGrad(TestCase):
             self.assertEqual(jacrev(NoGradDouble.apply)(x), 4 * torch.eye(3, dtype=DT))
 
     @parametrize("transform", ["jvp", "jacfwd"])
-    def test_forward_mode_is_an_error_naming_the_class_not_zeros(self, transform):
+    def test_forward_mode_is_the_class_s_backward_not_zeros(self, transform):
+        # NOTE [Forward mode on a basis]: the (2x) backward's matrix, evaluated; it was an error, and the
+        # differentiable transpose would have been zeros (no_grad)
         x = _r(3)
         with lifted_in_place(NoGradDouble):
-            with self.assertRaisesRegex(RuntimeError, r"NoGradDouble: .* does not depend on its cotangent"):
-                if transform == "jvp":
-                    jvp(NoGradDouble.apply, (x,), (torch.ones_like(x),))
-                else:
-                    jacfwd(NoGradDouble.apply)(x)
+            if transform == "jvp":
+                self.assertEqual(jvp(NoGradDouble.apply, (x,), (torch.ones_like(x),))[1], 4 * torch.ones_like(x))
+            else:
+                self.assertEqual(jacfwd(NoGradDouble.apply)(x), 4 * torch.eye(3, dtype=DT))
+
+    def test_a_second_derivative_is_an_error_naming_the_class(self):
+        # @torch.no_grad() declares the result has no derivative, as @once_differentiable does
+        x = _r(3)
+        with lifted_in_place(NoGradDouble):
+            for again in (jacrev(jacrev(NoGradDouble.apply)), jacfwd(jacrev(NoGradDouble.apply))):
+                with self.assertRaisesRegex(RuntimeError, r"NoGradDouble.backward is decorated with @torch.no_grad"):
+                    again(x)
 
 
 instantiate_parametrized_tests(TestBackwardsThatAskRequiresGrad)
