@@ -21,6 +21,7 @@ other transform order, and the output itself for the random classes.
 from __future__ import annotations
 
 import contextlib
+import unittest.mock
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -212,6 +213,14 @@ class TestForwardModeOnABasis(TestCase):
             ):
                 with self.assertRaisesRegex(RuntimeError, cls.__name__):
                     again()
+
+    def test_too_many_rows_is_an_error_naming_the_class_not_a_hang(self):
+        from torch_autobatch.lift import _transpose
+
+        x, w = _sample()
+        with lifted(OnceNumpy, "from_function") as f, unittest.mock.patch.object(_transpose, "MAX_BASIS", 5):
+            with self.assertRaisesRegex(RuntimeError, r"OnceNumpy: .* 6 calls here, more than 5\. Give OnceNumpy"):
+                jvp(f, (x, w), (x, w))
 
     def test_a_gradient_left_out_on_purpose_is_the_class_s_zero(self):
         # torchdiffeq's _StitchGradient: out's value, x's gradient; None for out is the backward's own answer

@@ -76,7 +76,9 @@ class _SkippedGradient(RuntimeError):
 # is still refused where the backward itself runs: forward mode is given,
 # the backward's own derivative is not invented. Real floating outputs and
 # inputs only; the cost is one backward per output element, a loop of
-# .backward() as jacrev by hand would be.
+# .backward() as jacrev by hand would be, so past MAX_BASIS calls for one jvp
+# it is an error naming the class (a jvp staticmethod, or reverse mode), not
+# what would look like a hang.
 Rows = Callable[[Callable[..., Any], tuple[Any, ...]], Any]
 
 
@@ -113,6 +115,16 @@ def _below_this_level(ctx: Any) -> _ReplayCtx:
     return _ReplayCtx(saved, attributes, needs)
 
 
+#: The most backward calls forward mode on a basis makes for one jvp (NOTE above): past it, an error, not a hang.
+MAX_BASIS = 1 << 14
+
+
+class _TooManyRows(RuntimeError):
+    def __init__(self, evaluations: int) -> None:
+        super().__init__(evaluations)
+        self.evaluations = evaluations
+
+
 def _stacked(column: list[Any]) -> Any:
     """One input's gradients for each basis cotangent, stacked (a None is the backward's zero); None if all are."""
     like = next((g for g in column if g is not None), None)
@@ -133,6 +145,9 @@ def _on_a_basis(
         isinstance(t, _Tensor) and t.is_complex() for t in tangents
     ):
         return None
+    evaluations = sum(outputs[k].numel() for k in where)
+    if evaluations > MAX_BASIS:
+        raise _TooManyRows(evaluations)
 
     def evaluate(backward: Callable[..., Any], *outs: Any) -> tuple[Any, ...]:  # (one example's outputs)
         per_input: list[list[Any]] = [[] for _ in tangents]
@@ -220,6 +235,29 @@ def transpose_backward(
     def fixed(k: int, o: Any) -> Any:
         return torch.zeros_like(o) if materialize and isinstance(o, _Tensor) else None
 
+    try:
+        return _transposed(cls, pullback, outputs, tangents, where, fixed, rows, once)
+    except _TooManyRows as e:
+        raise RuntimeError(
+            f"torch_autobatch: forward-mode AD through {cls.__qualname__}: the class has no jvp staticmethod "
+            f"and torch cannot differentiate its backward, so its forward mode is the backward's matrix, one "
+            f"backward call per output element (NOTE [Forward mode on a basis]): {e.evaluations} calls here, "
+            f"more than {MAX_BASIS}. Give {cls.__qualname__} a jvp staticmethod (jvp(ctx, *input_tangents)), "
+            f"or use reverse mode (grad, vjp, jacrev)."
+        ) from None
+
+
+def _transposed(
+    cls: FunctionClass,
+    pullback: Callable[..., Any],
+    outputs: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    where: list[int],
+    fixed: Callable[[int, Any], Any],
+    rows: Rows,
+    once: Optional[Callable[..., Any]],
+) -> tuple[Any, ...]:
+    """:func:`transpose_backward`'s work: the differentiable transpose, else the basis (NOTE above)."""
     if once is not None:
         got = _on_a_basis(rows, outputs, where, tangents, fixed)
         if got is None:
