@@ -25,7 +25,15 @@ Every cell is checked against the plain torch math before it is timed (a
 cell that raises or is wrong is ``FAIL``); the number of kernel calls per
 vmap call is reported for (e). All in one process, one thread.
 
-Usage: python benchmarks/bench_vmap_presets.py [--quick] [--sizes 1000] [--min-run-time S] [--json PATH]
+``--excess``: issue 49's measure of what the preset adds, on a numpy RMS-norm
+kernel (B=1000, D=512, float32) with its numpy backward: the excess of
+``vmap(op)`` over the kernel called directly on the batch, against vmap's own
+fixed cost on the same math as a plain torch function (``vmap(plain)`` minus
+``plain`` on the batch); the same for ``vmap(grad)`` against the forward and
+backward kernels called directly (and ``vmap(grad(plain))`` against autograd
+on the batch). Interleaved rounds, medians.
+
+Usage: python benchmarks/bench_vmap_presets.py [--quick] [--sizes 1000] [--min-run-time S] [--json PATH] [--excess]
 """
 
 from __future__ import annotations
@@ -123,6 +131,72 @@ def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 OPS = {(form, v): make_op(form, v) for form in FORMS for v in ("e", "l", "tl")}
+
+
+# ------------------------------------------------- --excess: a numpy RMS-norm
+def rms_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xn, wn = x.detach().numpy(), w.detach().numpy()
+    rstd = 1.0 / np.sqrt((xn * xn).mean(-1, keepdims=True) + 1e-6)
+    return torch.from_numpy((xn * rstd * wn).astype(np.float32))
+
+
+def rms_bwd(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gn, xn, wn = g.detach().numpy(), x.detach().numpy(), w.detach().numpy()
+    rstd = 1.0 / np.sqrt((xn * xn).mean(-1, keepdims=True) + 1e-6)
+    xhat = xn * rstd
+    gw = gn * wn
+    dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdims=True))
+    return torch.from_numpy(dx.astype(np.float32)), torch.from_numpy((gn * xhat).astype(np.float32))
+
+
+def rms_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def excess(rounds: int, mrt: float) -> None:
+    """Issue 49's preset excess (the docstring's --excess), printed as a table."""
+    op = torch_autobatch.custom_op("bench_presets::rms", rms_fwd, mutates_args=(), vmap="expand_dims")
+
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_bwd(g, *ctx.saved_tensors)
+
+    op.register_autograd(backward, setup_context=_setup_context)
+    X, w = torch.randn(1000, 512, dtype=DTYPE), torch.randn(512, dtype=DTYPE)
+    leaf, ones = X.clone().requires_grad_(), torch.ones(1000, 512, dtype=DTYPE)
+    per_example = vmap(grad(lambda x, w: op(x, w).sum()), in_dims=(0, None))
+    plain_per_example = vmap(grad(lambda x, w: rms_plain(x, w).sum()), in_dims=(0, None))
+    want = vmap(grad(lambda x, w: rms_plain(x, w).sum()), in_dims=(0, None))(X, w)
+    assert torch.allclose(per_example(X, w), want, rtol=1e-4, atol=1e-4)
+
+    def kernels() -> Any:
+        rms_fwd(X, w)
+        return rms_bwd(ones, X, w)
+
+    fns = {
+        "kernel": lambda: rms_fwd(X, w),
+        "vmap(op)": lambda: vmap(op, in_dims=(0, None))(X, w),
+        "plain": lambda: rms_plain(X, w),
+        "vmap(plain)": lambda: vmap(rms_plain, in_dims=(0, None))(X, w),
+        "kernels fwd+bwd": kernels,
+        "vmap(grad(op))": lambda: per_example(X, w),
+        "plain fwd+bwd": lambda: torch.autograd.grad(rms_plain(leaf, w), leaf, ones),
+        "vmap(grad(plain))": lambda: plain_per_example(X, w),
+    }
+    t = interleaved(fns, rounds, mrt)
+    print(
+        "\n| call (numpy RMS-norm, B=1000, D=512, float32) | µs | excess over the direct call | vmap's fixed cost on"
+        " plain torch | excess / fixed cost |"
+    )
+    print("|:---|---:|---:|---:|---:|")
+    for ours, direct, plain_v, plain_d in (
+        ("vmap(op)", "kernel", "vmap(plain)", "plain"),
+        ("vmap(grad(op))", "kernels fwd+bwd", "vmap(grad(plain))", "plain fwd+bwd"),
+    ):
+        over, fixed = t[ours] - t[direct], t[plain_v] - t[plain_d]
+        print(
+            f"| `{ours}` (direct: {direct} {t[direct] * 1e6:.0f} µs) | {t[ours] * 1e6:.0f} | {over * 1e6:.0f} | "
+            f"{fixed * 1e6:.0f} | {over / fixed:.2f}x |"
+        )
 
 
 # ---------------------------------------------------------------- helpers
@@ -279,8 +353,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--slow-s", type=float, default=0.05)
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds for (k), (p), (e)")
     p.add_argument("--json", type=str, default=None)
+    p.add_argument("--excess", action="store_true", help="only issue 49's preset excess (the docstring)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.excess:
+        excess(args.rounds, args.min_run_time * 4)
+        return 0
     # (l) and (tl) are torch's loop fallback on purpose: no warning per call.
     torch._C._functorch._set_vmap_fallback_warning_enabled(False)
     sizes, mrt = ([1000], 0.3) if args.quick else (args.sizes, args.min_run_time)

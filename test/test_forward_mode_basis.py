@@ -20,34 +20,37 @@ other transform order, and the output itself for the random classes.
 
 from __future__ import annotations
 
-import contextlib
 import unittest.mock
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
-from oracles import unique_op_name, vmap_loop
+from oracles import vmap_loop
+from test_declarations import lifted
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 from torch.testing._internal.common_utils import TestCase, instantiate_parametrized_tests, parametrize
-
-import torch_autobatch
 
 DT = torch.float64
 _fwAD = torch.autograd.forward_ad
 
 
 # ------------------------------------------- backwards torch cannot differentiate
-class NoGradAccumulating(Function):
-    """exp(x) * w; the backward accumulates into fresh buffers under no_grad (flash attention's shape)."""
+class _ExpTimesW(Function):
+    """exp(x) * w, saving x and w; each subclass's backward is 2x the derivative, written another way."""
 
     @staticmethod
     def forward(ctx, x, w):
-        out = torch.exp(x) * w
         ctx.save_for_backward(x, w)
-        return out
+        return torch.exp(x) * w
+
+    @staticmethod
+    def rows(x, w):  # d(out)/dx, d(out)/dw, each 2x
+        return 2 * torch.exp(x) * w, 2 * torch.exp(x)
+
+
+class NoGradAccumulating(_ExpTimesW):
+    """The backward accumulates into fresh buffers under no_grad (flash attention's shape)."""
 
     @staticmethod
     @torch.no_grad()
@@ -58,18 +61,9 @@ class NoGradAccumulating(Function):
         dw.add_(2 * (g * torch.exp(x)).sum(0))
         return dx, dw
 
-    @staticmethod
-    def rows(x, w):  # d(out)/dx, d(out)/dw, each 2x
-        return 2 * torch.exp(x) * w, 2 * torch.exp(x)
 
-
-class Recomputing(Function):
-    """exp(x) * w; the backward runs autograd itself on detached copies (checkpoint / adjoint style)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return torch.exp(x) * w
+class Recomputing(_ExpTimesW):
+    """The backward runs autograd itself on detached copies (checkpoint / adjoint style)."""
 
     @staticmethod
     def backward(ctx, g):
@@ -79,16 +73,9 @@ class Recomputing(Function):
             dx, dw = torch.autograd.grad(torch.exp(x_) * w_, (x_, w_), g)
         return 2 * dx, 2 * dw
 
-    rows = NoGradAccumulating.rows
 
-
-class OnceNumpy(Function):
-    """exp(x) * w; a @once_differentiable backward that leaves torch (numpy)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return torch.exp(x) * w
+class OnceNumpy(_ExpTimesW):
+    """A @once_differentiable backward that leaves torch (numpy)."""
 
     @staticmethod
     @once_differentiable
@@ -97,7 +84,15 @@ class OnceNumpy(Function):
         g = g.numpy()
         return torch.from_numpy(2 * g * np.exp(x) * w), torch.from_numpy(2 * (g * np.exp(x)).sum(0))
 
-    rows = NoGradAccumulating.rows
+
+class BroadcastGradient(_ExpTimesW):
+    """The backward returns w's gradient unreduced (the engine sums it to w's shape)."""
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return 2 * g * torch.exp(x) * w, 2 * g * torch.exp(x)
 
 
 class _Operator:
@@ -107,8 +102,8 @@ class _Operator:
         self.x, self.w = x, w
 
 
-class GatedOnTheOperator(Function):
-    """exp(x) * w; the backward gives a gradient only where the operator's tensors require grad."""
+class GatedOnTheOperator(_ExpTimesW):
+    """The backward gives a gradient only where the operator's tensors (kept on ctx) require grad."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -122,25 +117,6 @@ class GatedOnTheOperator(Function):
         dw = 2 * (g * torch.exp(x)).sum(0) if w.requires_grad else None
         return dx, dw
 
-    rows = NoGradAccumulating.rows
-
-
-class BroadcastGradient(Function):
-    """exp(x) * w; the backward returns w's gradient unreduced (the engine sums it to w's shape)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return torch.exp(x) * w
-
-    @staticmethod
-    @torch.no_grad()
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return 2 * g * torch.exp(x) * w, 2 * g * torch.exp(x)
-
-    rows = NoGradAccumulating.rows
-
 
 OPAQUE = {
     "no_grad_accumulating": NoGradAccumulating,
@@ -149,18 +125,6 @@ OPAQUE = {
     "gated_on_the_operator": GatedOnTheOperator,
     "broadcast_gradient": BroadcastGradient,
 }
-
-
-@contextlib.contextmanager
-def lifted(cls: type, how: str) -> Iterator[Callable[..., Any]]:
-    if how == "from_function":
-        yield torch_autobatch.from_function(cls, name=unique_op_name("tab_basis", cls.__name__))
-        return
-    torch_autobatch.autobatch(cls)
-    try:
-        yield cls.apply
-    finally:
-        del cls.apply
 
 
 def _sample() -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,20 +238,14 @@ class Noisy(Function):
         return 2 * g * noise
 
 
-class NoisyWithJvp(Function):
+class NoisyWithJvp(Noisy):
     """The same with a jvp staticmethod (3x) that reads what forward saved for it."""
 
     @staticmethod
     def forward(ctx, x):
-        noise = torch.rand_like(x)
-        ctx.save_for_backward(noise)
-        ctx.save_for_forward(noise)
-        return x * noise
-
-    @staticmethod
-    def backward(ctx, g):
-        (noise,) = ctx.saved_tensors
-        return 2 * g * noise
+        out = Noisy.forward(ctx, x)
+        ctx.save_for_forward(*ctx.to_save)
+        return out
 
     @staticmethod
     def jvp(ctx, t):
