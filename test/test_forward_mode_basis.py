@@ -20,7 +20,9 @@ other transform order, and the output itself for the random classes.
 
 from __future__ import annotations
 
+import threading
 import unittest.mock
+from typing import Any
 
 import numpy as np
 import torch
@@ -177,6 +179,29 @@ class TestForwardModeOnABasis(TestCase):
             ):
                 with self.assertRaisesRegex(RuntimeError, cls.__name__):
                     again()
+
+    @parametrize("name", ["no_grad_accumulating", "once_numpy"])
+    def test_on_another_thread_and_compiled(self, name):
+        # the same values from a second thread (levels and the eager rerun are thread-local) and under
+        # torch.compile (aot_eager), where the rows are evaluated on fake tensors while tracing: a backward
+        # that leaves torch (numpy) cannot run there, an error naming the class
+        cls = OPAQUE[name]
+        x, w = _sample()
+        t = torch.randn_like(x)
+        with lifted(cls, "from_function") as f:
+            want = jvp(lambda x: f(x, w), (x,), (t,))[1]
+            results: list[Any] = []
+            thread = threading.Thread(target=lambda: results.append(jvp(lambda x: f(x, w), (x,), (t,))[1]))
+            thread.start()
+            thread.join()
+            self.assertEqual(results[0], want)
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda x: jvp(lambda x: f(x, w), (x,), (t,))[1], backend="aot_eager")
+            if cls is OnceNumpy:
+                with self.assertRaisesRegex(Exception, "OnceNumpy.backward .* torch.compile's fake tensors"):
+                    compiled(x)
+            else:
+                self.assertEqual(compiled(x), want)
 
     def test_too_many_rows_is_an_error_naming_the_class_not_a_hang(self):
         from torch_autobatch.lift import _transpose

@@ -340,8 +340,9 @@ def _refuse_once(cls: FunctionClass, backward: Callable[..., Any]) -> None:
             cls,
             "forward-mode AD of a class with no jvp staticmethod evaluates that backward on a basis of "
             "cotangents (NOTE [Forward mode on a basis]), which cannot be done here: a complex output or "
-            "tangent, or a result differentiated again (jvp(jvp), a forward-mode level outside). Give the "
-            "class a jvp staticmethod (jvp(ctx, *input_tangents)) for that",
+            "tangent, a result differentiated again (jvp(jvp), a forward-mode level outside), or a backward "
+            "that failed when run as eager mode runs it (one that leaves torch cannot run on torch.compile's "
+            "fake tensors). Give the class a jvp staticmethod (jvp(ctx, *input_tangents)) for that",
             backward,
         )
     )
