@@ -151,6 +151,7 @@ class TestForwardModeOnABasis(TestCase):
                 self.assertEqual(_fwAD.unpack_dual(out).tangent, want)
             # batched primals: the rows once per example (vmap cannot batch the backward)
             X, T = torch.stack([x, -0.5 * x, 2 * x]), torch.randn(3, *x.shape, dtype=DT)
+            want = torch.stack([cls.rows(xi, w)[0] * ti for xi, ti in zip(X, T)])
             if cls is GatedOnTheOperator:
                 # the operator holds the batched input, which no example can be cut from: an error naming
                 # the class (docs/limitations.md), never the zeros its requires_grad test would give
@@ -158,7 +159,9 @@ class TestForwardModeOnABasis(TestCase):
                     vmap(lambda x, t: jvp(lambda x: f(x, w), (x,), (t,))[1])(X, T)
                 return
             got = vmap(lambda x, t: jvp(lambda x: f(x, w), (x,), (t,))[1])(X, T)
-            self.assertEqual(got, torch.stack([cls.rows(xi, w)[0] * ti for xi, ti in zip(X, T)]))
+            self.assertEqual(got, want)
+            # the jvp of a level below the vmap (the level walk's: NOTE [Forward mode under vmap])
+            self.assertEqual(jvp(vmap(lambda x: f(x, w)), (X,), (T,))[1], want)
             self.assertEqual(vmap(jacfwd(lambda x: f(x, w)))(X), vmap_loop(jacrev(lambda x: f(x, w)), (0,), X))
 
     @parametrize("name", list(OPAQUE))
@@ -304,6 +307,8 @@ class TestAForwardThatDraws(TestCase):
                 # under vmap: the level walk's jvp (NOTE [Forward mode under vmap])
                 p, tangent = _fwAD.unpack_dual(vmap(f, randomness="different")(_fwAD.make_dual(X, T)))
                 self.assertEqual(tangent, k * p / X * T)
+            out, tangent = jvp(vmap(f, randomness="different"), (X,), (T,))  # (was functorch's INTERNAL ASSERT)
+            self.assertEqual(tangent, k * out / X * T)
             # the caller's random stream advances once, as for the forward alone
             torch.manual_seed(1)
             f(x)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._functorch import TransformType
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
@@ -241,6 +242,11 @@ def _forward_below_this_level(fwd: Callable[..., Any], inputs: tuple[Any, ...]) 
     if interpreter is None:
         with torch.no_grad():
             return fwd(*inputs)[1]
+    if interpreter.key() == TransformType.Vmap:
+        # The jvp of a level below vmap (jvp(vmap(f)): NOTE [Forward mode under vmap]) runs with that
+        # level already lowered and the vmap levels above re-entered: its inputs carry no tangent here.
+        with torch.no_grad():
+            return _forward_or_per_example(fwd, inputs)
     level = interpreter.level()
     inputs = pytree.tree_map_only(_Tensor, lambda t: functorch._unwrap_for_grad(t, level), inputs)
     popped = Popped()

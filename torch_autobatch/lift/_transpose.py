@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from torch._C._functorch import TransformType
 from torch.utils import _pytree as pytree
 
 from ._ctx import _only_saved, _ReplayCtx, _unpack
@@ -304,6 +305,18 @@ def _transposed(
     return tuple(out)
 
 
+def _running_jvp_level() -> Optional[int]:
+    """The forward-mode level whose jvp runs: the topmost Jvp on the stack.
+
+    (It is the top itself, or below the vmap levels re-entered above it: NOTE [Forward mode under vmap].)
+    A residual may be wrapped at it without a tangent; a wrapper of a level outside it is tracked.
+    """
+    for interpreter in reversed(torch._C._functorch.get_interpreter_stack() or ()):
+        if interpreter.key() == TransformType.Jvp:
+            return interpreter.level()
+    return None
+
+
 def _eager_rows(backward: Callable[..., Any], cls: FunctionClass, n_in: int, ctx: Any) -> Rows:
     """``rows`` for :func:`transpose_backward`: the class's own ``backward`` on ``ctx``, run as eager mode runs it."""
     what = f"{cls.__qualname__}.backward"
@@ -318,7 +331,7 @@ def _eager_rows(backward: Callable[..., Any], cls: FunctionClass, n_in: int, ctx
             return evaluate(call, *outs)
 
         try:
-            got = run_as_eager(on, ctx, outs, None, what, transposing=True)
+            got = run_as_eager(on, ctx, outs, _running_jvp_level(), what, transposing=True)
         except (RuntimeError, NotImplementedError, TypeError) as e:
             if type(e) not in (RuntimeError, NotImplementedError, TypeError):
                 raise  # (a user's own exception, our own refusals: unchanged)
